@@ -1,0 +1,7 @@
+//! Cluster-wide IP address management for Kubernetes secondary networks.
+//!
+//! Data flows one way: binaries -> `cni` / `controller` / `webhook` -> `store` / `config` -> `ipam`.
+//! `ipam` is pure (no I/O); `config` holds the one parser and validator shared by the CNI plugin,
+//! the admission webhook and the offline `validate` command; `crd` holds the wire types only.
+
+pub mod ipam;
