@@ -4,4 +4,5 @@
 //! `ipam` is pure (no I/O); `config` holds the one parser and validator shared by the CNI plugin,
 //! the admission webhook and the offline `validate` command; `crd` holds the wire types only.
 
+pub mod config;
 pub mod ipam;

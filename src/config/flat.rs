@@ -1,0 +1,112 @@
+//! The node's flat file: a bare ipam object that fills what a NAD leaves empty.
+//!
+//! Looked up at `configuration_path` first, then at the three well-known paths; the first that
+//! exists wins and none is required. A non-empty NAD value always wins, objects merge key by key,
+//! lists are taken whole, and `enable_overlapping_ranges` comes from the NAD only.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use super::problem::Problem;
+
+pub const WELL_KNOWN_PATHS: [&str; 3] = [
+    "/etc/kubernetes/cni/net.d/whereabouts.d/whereabouts.conf",
+    "/etc/cni/net.d/whereabouts.d/whereabouts.conf",
+    "/host/etc/cni/net.d/whereabouts.d/whereabouts.conf",
+];
+
+/// Keys the flat file may never supply.
+const NAD_ONLY: &[&str] = &["enable_overlapping_ranges"];
+
+pub fn candidates(configuration_path: Option<&str>) -> Vec<PathBuf> {
+    configuration_path.filter(|p| !p.is_empty()).into_iter().chain(WELL_KNOWN_PATHS).map(PathBuf::from).collect()
+}
+
+/// Reads the first flat file that exists. A file that exists but cannot be read or parsed is an
+/// error: silently ignoring it would lose the kubeconfig and fail later with a vaguer message.
+pub fn load(candidates: &[PathBuf]) -> Result<Option<(PathBuf, Map<String, Value>)>, Problem> {
+    for path in candidates {
+        match std::fs::read_to_string(path) {
+            Ok(text) => return parse(path, &text).map(|m| Some((path.clone(), m))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(Problem::with_value("flat file", path.display(), format!("cannot be read: {e}"))),
+        }
+    }
+    Ok(None)
+}
+
+fn parse(path: &Path, text: &str) -> Result<Map<String, Value>, Problem> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(Problem::with_value("flat file", path.display(), "must hold a JSON object (a bare ipam config)")),
+        Err(e) => Err(Problem::with_value("flat file", path.display(), format!("is not valid JSON: {e}"))),
+    }
+}
+
+/// Fills every empty key of `nad` from `flat`.
+pub fn merge(nad: &mut Map<String, Value>, flat: &Map<String, Value>) {
+    for (key, flat_value) in flat {
+        if NAD_ONLY.contains(&key.as_str()) {
+            continue;
+        }
+        match (nad.get_mut(key), flat_value) {
+            (Some(Value::Object(ours)), Value::Object(theirs)) => merge(ours, theirs),
+            (Some(ours), _) if !is_empty(ours) => {}
+            _ => {
+                nad.insert(key.clone(), flat_value.clone());
+            }
+        }
+    }
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn nad_wins_flat_fills_lists_whole() {
+        let mut nad = obj(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x"}, "log_level": "", "enable_overlapping_ranges": false}));
+        let flat = obj(json!({"range": "192.168.0.0/16", "exclude": ["10.0.0.2", "10.0.0.3"], "kubernetes": {"kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": true, "network_name": "n"}));
+        merge(&mut nad, &flat);
+        assert_eq!(Value::Object(nad), json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x", "kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": false, "network_name": "n"}));
+    }
+
+    #[test]
+    fn overlapping_ranges_never_from_flat_file() {
+        let mut nad = Map::new();
+        merge(&mut nad, &obj(json!({"enable_overlapping_ranges": false})));
+        assert!(nad.is_empty());
+    }
+
+    #[test]
+    fn lookup_order_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.conf"), dir.path().join("b.conf"));
+        std::fs::write(&b, r#"{"kubernetes":{"kubeconfig":"/b"}}"#).unwrap();
+        let found = load(&[a.clone(), b.clone()]).unwrap().unwrap();
+        assert_eq!(found.0, b);
+        std::fs::write(&a, "not json").unwrap();
+        let e = load(&[a.clone(), b]).unwrap_err();
+        assert!(e.to_string().contains("is not valid JSON"), "{e}");
+        assert!(load(&[dir.path().join("none")]).unwrap().is_none());
+        assert_eq!(candidates(Some("/x"))[0], PathBuf::from("/x"));
+        assert_eq!(candidates(None).len(), 3);
+    }
+}

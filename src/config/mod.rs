@@ -1,0 +1,10 @@
+//! Configuration: parsing network configs and NADs, the flat-file merge, and the one validator.
+
+pub mod flat;
+pub mod netconf;
+pub mod problem;
+pub mod validate;
+
+pub use netconf::NetConf;
+pub use problem::Problem;
+pub use validate::{IpamConfig, RangeConfig, Source, StaticAddress, Validated, validate_ipam};
