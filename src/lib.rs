@@ -4,5 +4,9 @@
 //! `ipam` is pure (no I/O); `config` holds the one parser and validator shared by the CNI plugin,
 //! the admission webhook and the offline `validate` command; `crd` holds the wire types only.
 
+pub mod cni;
 pub mod config;
+pub mod crd;
 pub mod ipam;
+pub mod kubeconfig;
+pub mod store;

@@ -12,16 +12,30 @@ fn errors(ipam: Value) -> Vec<String> {
 }
 
 fn warnings(ipam: Value) -> Vec<String> {
-    check(ipam).warnings.iter().map(ToString::to_string).collect()
+    check(ipam)
+        .warnings
+        .iter()
+        .map(ToString::to_string)
+        .collect()
 }
 
 fn windows(ipam: Value) -> Vec<(String, String, String, String)> {
     let v = check(ipam);
     assert!(v.errors.is_empty(), "{:?}", v.errors);
-    v.config.unwrap().ranges.iter().map(|r| {
-        let (a, b) = r.range.window();
-        (r.range.cidr().to_string(), a.to_string(), b.to_string(), r.pool_name.clone())
-    }).collect()
+    v.config
+        .unwrap()
+        .ranges
+        .iter()
+        .map(|r| {
+            let (a, b) = r.range.window();
+            (
+                r.range.cidr().to_string(),
+                a.to_string(),
+                b.to_string(),
+                r.pool_name.clone(),
+            )
+        })
+        .collect()
 }
 
 #[test]
@@ -29,16 +43,45 @@ fn dual_stack_and_multi_range_configs_from_the_design_discussion() {
     let v4 = json!({"type": "whereabouts", "ipRanges": [
         {"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"},
         {"range": "11.11.11.11/24", "range_start": "11.11.11.20", "range_end": "11.11.11.200"}]});
-    assert_eq!(windows(v4), vec![
-        ("10.10.10.0/24".into(), "10.10.10.20".into(), "10.10.10.200".into(), "10.10.10.0-24".into()),
-        ("11.11.11.0/24".into(), "11.11.11.20".into(), "11.11.11.200".into(), "11.11.11.0-24".into()),
-    ]);
+    assert_eq!(
+        windows(v4),
+        vec![
+            (
+                "10.10.10.0/24".into(),
+                "10.10.10.20".into(),
+                "10.10.10.200".into(),
+                "10.10.10.0-24".into()
+            ),
+            (
+                "11.11.11.0/24".into(),
+                "11.11.11.20".into(),
+                "11.11.11.200".into(),
+                "11.11.11.0-24".into()
+            ),
+        ]
+    );
     let dual = json!({"type": "whereabouts", "range": "12.12.12.12/24", "ipRanges": [
         {"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"},
         {"range": "2001::1/64", "range_start": "2001::16", "range_end": "2001::64"}]});
     let w = windows(dual);
-    assert_eq!(w[0], ("12.12.12.0/24".into(), "12.12.12.1".into(), "12.12.12.254".into(), "12.12.12.0-24".into()));
-    assert_eq!(w[2], ("2001::/64".into(), "2001::16".into(), "2001::64".into(), "2001---64".into()));
+    assert_eq!(
+        w[0],
+        (
+            "12.12.12.0/24".into(),
+            "12.12.12.1".into(),
+            "12.12.12.254".into(),
+            "12.12.12.0-24".into()
+        )
+    );
+    assert_eq!(
+        w[2],
+        (
+            "2001::/64".into(),
+            "2001::16".into(),
+            "2001::64".into(),
+            "2001---64".into()
+        )
+    );
 }
 
 #[test]
@@ -49,87 +92,182 @@ fn start_cidr_form() {
     let e = errors(json!({"range": "192.168.1.5-192.168.1.25/24", "range_start": "192.168.1.6"}));
     assert!(e[0].contains("do not also set range_start"), "{e:?}");
     let e = errors(json!({"range": "x-192.168.1.25/24"}));
-    assert!(e[0].starts_with("ipam.range \"x-192.168.1.25/24\" is not a CIDR"), "{e:?}");
+    assert!(
+        e[0].starts_with("ipam.range \"x-192.168.1.25/24\" is not a CIDR"),
+        "{e:?}"
+    );
 }
 
 #[test]
 fn upstream_silent_failures_are_errors_naming_field_and_value() {
-    assert_eq!(errors(json!({"range": "abc.169.1.0/24"})), vec![r#"ipam.range "abc.169.1.0/24" is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/24", "range_start": "10.0.0.50", "range_end": "10.0.0.10"})), vec![r#"ipam.range_start "10.0.0.50" is after range_end 10.0.0.10"#]);
-    assert_eq!(errors(json!({"ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/24", "range_start": "10.0.0.5"}]})), vec![r#"ipam.ipRanges[1].range_start "10.0.0.5" is outside range 10.0.1.0/24"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.0/33"]})), vec![r#"ipam.exclude[0] "10.0.0.0/33" is not a CIDR or IP address"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/32"})), vec![r#"ipam.range "10.0.0.0/32" has no usable address (a prefix needs at least two host bits)"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/24", "range_end": "2001::5"})), vec![r#"ipam.range_end "2001::5" is not of the same address family as range 10.0.0.0/24"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.0/25", "10.0.0.128/25"]})), vec![r#"ipam.exclude "10.0.0.0/25,10.0.0.128/25" leaves no usable address in range 10.0.0.0/24 (window 10.0.0.1 to 10.0.0.254)"#]);
-    assert_eq!(errors(json!({"range": "10.0.0.0/24", "gateway": "10.0.0.300"})), vec![r#"ipam.gateway "10.0.0.300" is not an IP address"#]);
+    assert_eq!(
+        errors(json!({"range": "abc.169.1.0/24"})),
+        vec![
+            r#"ipam.range "abc.169.1.0/24" is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"#
+        ]
+    );
+    assert_eq!(
+        errors(
+            json!({"range": "10.0.0.0/24", "range_start": "10.0.0.50", "range_end": "10.0.0.10"})
+        ),
+        vec![r#"ipam.range_start "10.0.0.50" is after range_end 10.0.0.10"#]
+    );
+    assert_eq!(
+        errors(
+            json!({"ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/24", "range_start": "10.0.0.5"}]})
+        ),
+        vec![r#"ipam.ipRanges[1].range_start "10.0.0.5" is outside range 10.0.1.0/24"#]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.0/33"]})),
+        vec![r#"ipam.exclude[0] "10.0.0.0/33" is not a CIDR or IP address"#]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/32"})),
+        vec![
+            r#"ipam.range "10.0.0.0/32" has no usable address (a prefix needs at least two host bits)"#
+        ]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "range_end": "2001::5"})),
+        vec![r#"ipam.range_end "2001::5" is not of the same address family as range 10.0.0.0/24"#]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.0/25", "10.0.0.128/25"]})),
+        vec![
+            r#"ipam.exclude "10.0.0.0/25,10.0.0.128/25" leaves no usable address in range 10.0.0.0/24 (window 10.0.0.1 to 10.0.0.254)"#
+        ]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "gateway": "10.0.0.300"})),
+        vec![r#"ipam.gateway "10.0.0.300" is not an IP address"#]
+    );
 }
 
 #[test]
 fn every_problem_is_reported_at_once() {
-    let e = errors(json!({"range": "10.0.0.0/24", "range_start": "bad", "gateway": "worse", "ipRanges": [{"range": "nope"}, 5], "enable_overlapping_ranges": "yes"}));
+    let e = errors(
+        json!({"range": "10.0.0.0/24", "range_start": "bad", "gateway": "worse", "ipRanges": [{"range": "nope"}, 5], "enable_overlapping_ranges": "yes"}),
+    );
     assert_eq!(e.len(), 5, "{e:?}");
 }
 
 #[test]
 fn overlapping_ranges_in_one_config_are_rejected() {
     let e = errors(json!({"ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.0.128/25"}]}));
-    assert_eq!(e, vec![r#"ipam.ipRanges[1] "10.0.0.128/25" overlaps ipam.ipRanges[0] (10.0.0.0/24)"#]);
+    assert_eq!(
+        e,
+        vec![r#"ipam.ipRanges[1] "10.0.0.128/25" overlaps ipam.ipRanges[0] (10.0.0.0/24)"#]
+    );
     // Disjoint windows of overlapping CIDRs are fine.
     assert!(errors(json!({"ipRanges": [{"range": "10.0.0.0/24", "range_end": "10.0.0.99"}, {"range": "10.0.0.0/24", "range_start": "10.0.0.100"}]})).is_empty());
 }
 
 #[test]
 fn missing_range_depends_on_source() {
-    assert_eq!(errors(json!({"type": "whereabouts"})), vec!["ipam.range is missing: set ipam.range or ipam.ipRanges"]);
+    assert_eq!(
+        errors(json!({"type": "whereabouts"})),
+        vec!["ipam.range is missing: set ipam.range or ipam.ipRanges"]
+    );
     let nad = validate_ipam(&json!({"type": "whereabouts"}), "ipam", Source::Nad);
     assert!(nad.errors.is_empty());
     assert_eq!(nad.warnings.len(), 1);
-    assert_eq!(errors(json!({"ipRanges": [{"range_start": "10.0.0.1"}]})), vec!["ipam.ipRanges[0].range is missing"]);
+    assert_eq!(
+        errors(json!({"ipRanges": [{"range_start": "10.0.0.1"}]})),
+        vec!["ipam.ipRanges[0].range is missing"]
+    );
 }
 
 #[test]
 fn network_name_and_node_slices() {
     let e = errors(json!({"range": "10.0.0.0/24", "network_name": "Blue_Net"}));
-    assert!(e[0].starts_with(r#"ipam.network_name "Blue_Net" is not usable in object names"#), "{e:?}");
+    assert!(
+        e[0].starts_with(r#"ipam.network_name "Blue_Net" is not usable in object names"#),
+        "{e:?}"
+    );
     let long = "a".repeat(250);
     let e = errors(json!({"range": "10.0.0.0/24", "network_name": long}));
     assert!(e[0].contains("gives the object name"), "{e:?}");
     let w = windows(json!({"range": "10.0.0.0/24", "network_name": "blue"}));
     assert_eq!(w[0].3, "blue-10.0.0.0-24");
-    assert!(errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/28"}))[0].contains("is not supported yet"));
-    assert!(errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/16"}))[0].contains("does not fit range 10.0.0.0/24"));
-    assert!(errors(json!({"range": "10.0.0.0/24", "node_slice_size": "x"}))[0].contains("is not a prefix length"));
+    assert!(
+        errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/28"}))[0]
+            .contains("is not supported yet")
+    );
+    assert!(
+        errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/16"}))[0]
+            .contains("does not fit range 10.0.0.0/24")
+    );
+    assert!(
+        errors(json!({"range": "10.0.0.0/24", "node_slice_size": "x"}))[0]
+            .contains("is not a prefix length")
+    );
 }
 
 #[test]
 fn static_addresses_routes_dns() {
-    let v = check(json!({"range": "10.0.0.0/24", "addresses": [{"address": "192.168.9.5/24", "gateway": "192.168.9.1"}],
-        "routes": [{"dst": "0.0.0.0/0"}, {"dst": "10.1.0.0/16", "gw": "10.0.0.1"}], "dns": {"nameservers": ["10.0.0.53"]}}));
+    let v = check(
+        json!({"range": "10.0.0.0/24", "addresses": [{"address": "192.168.9.5/24", "gateway": "192.168.9.1"}],
+        "routes": [{"dst": "0.0.0.0/0"}, {"dst": "10.1.0.0/16", "gw": "10.0.0.1"}], "dns": {"nameservers": ["10.0.0.53"]}}),
+    );
     let c = v.config.unwrap();
     assert_eq!(c.addresses[0].address.to_string(), "192.168.9.5/24");
     assert_eq!(c.routes.len(), 2);
     assert!(c.dns.is_some());
     assert!(c.enable_overlapping_ranges);
-    let e = errors(json!({"range": "10.0.0.0/24", "addresses": [{"address": "192.168.9.5"}], "routes": [{"dst": "x"}, {"dst": "1.0.0.0/8", "gw": "y"}]}));
+    let e = errors(
+        json!({"range": "10.0.0.0/24", "addresses": [{"address": "192.168.9.5"}], "routes": [{"dst": "x"}, {"dst": "1.0.0.0/8", "gw": "y"}]}),
+    );
     assert_eq!(e.len(), 3, "{e:?}");
 }
 
 #[test]
 fn warnings_for_risky_but_valid_configs() {
-    let w = warnings(json!({"range": "10.0.0.0/24", "gateway": "10.0.0.1", "exclude": ["10.9.0.0/16"], "colour": "red", "log_level": "info", "leader_lease_duration": 1500}));
-    assert!(w.iter().any(|m| m.starts_with(r#"ipam.gateway "10.0.0.1" is inside the allocatable window"#)), "{w:?}");
-    assert!(w.iter().any(|m| m == r#"ipam.exclude "10.9.0.0/16" does not touch the window of range 10.0.0.0/24"#), "{w:?}");
-    assert!(w.iter().any(|m| m == "ipam.colour is not a whereabouts setting and is ignored"), "{w:?}");
-    assert!(w.iter().any(|m| m.starts_with(r#"ipam.log_level "info""#)), "{w:?}");
+    let w = warnings(
+        json!({"range": "10.0.0.0/24", "gateway": "10.0.0.1", "exclude": ["10.9.0.0/16"], "colour": "red", "log_level": "info", "leader_lease_duration": 1500}),
+    );
+    assert!(
+        w.iter()
+            .any(|m| m.starts_with(r#"ipam.gateway "10.0.0.1" is inside the allocatable window"#)),
+        "{w:?}"
+    );
+    assert!(
+        w.iter()
+            .any(|m| m
+                == r#"ipam.exclude "10.9.0.0/16" does not touch the window of range 10.0.0.0/24"#),
+        "{w:?}"
+    );
+    assert!(
+        w.iter()
+            .any(|m| m == "ipam.colour is not a whereabouts setting and is ignored"),
+        "{w:?}"
+    );
+    assert!(
+        w.iter().any(|m| m.starts_with(r#"ipam.log_level "info""#)),
+        "{w:?}"
+    );
     assert_eq!(w.len(), 4, "legacy keys are accepted quietly: {w:?}");
     let w = warnings(json!({"range": "10.0.0.0/24", "gateway": "10.9.0.1"}));
     assert_eq!(w, vec![r#"ipam.gateway "10.9.0.1" is outside every range"#]);
-    assert!(warnings(json!({"range": "10.0.0.0/24", "gateway": "10.0.0.1", "exclude": ["10.0.0.1"]})).is_empty());
+    assert!(
+        warnings(json!({"range": "10.0.0.0/24", "gateway": "10.0.0.1", "exclude": ["10.0.0.1"]}))
+            .is_empty()
+    );
 }
 
 #[test]
 fn wrong_types_never_panic() {
-    for v in [json!(null), json!(5), json!("x"), json!([1]), json!({"range": 5}), json!({"ipRanges": "x"}), json!({"exclude": {"a": 1}, "range": "10.0.0.0/24"}), json!({"range": "10.0.0.0/24", "routes": [5]}), json!({"range": "10.0.0.0/24", "addresses": [null]})] {
+    for v in [
+        json!(null),
+        json!(5),
+        json!("x"),
+        json!([1]),
+        json!({"range": 5}),
+        json!({"ipRanges": "x"}),
+        json!({"exclude": {"a": 1}, "range": "10.0.0.0/24"}),
+        json!({"range": "10.0.0.0/24", "routes": [5]}),
+        json!({"range": "10.0.0.0/24", "addresses": [null]}),
+    ] {
         let r = check(v.clone());
         assert!(!r.errors.is_empty(), "{v}");
     }

@@ -20,7 +20,12 @@ pub const WELL_KNOWN_PATHS: [&str; 3] = [
 const NAD_ONLY: &[&str] = &["enable_overlapping_ranges"];
 
 pub fn candidates(configuration_path: Option<&str>) -> Vec<PathBuf> {
-    configuration_path.filter(|p| !p.is_empty()).into_iter().chain(WELL_KNOWN_PATHS).map(PathBuf::from).collect()
+    configuration_path
+        .filter(|p| !p.is_empty())
+        .into_iter()
+        .chain(WELL_KNOWN_PATHS)
+        .map(PathBuf::from)
+        .collect()
 }
 
 /// Reads the first flat file that exists. A file that exists but cannot be read or parsed is an
@@ -30,7 +35,13 @@ pub fn load(candidates: &[PathBuf]) -> Result<Option<(PathBuf, Map<String, Value
         match std::fs::read_to_string(path) {
             Ok(text) => return parse(path, &text).map(|m| Some((path.clone(), m))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(Problem::with_value("flat file", path.display(), format!("cannot be read: {e}"))),
+            Err(e) => {
+                return Err(Problem::with_value(
+                    "flat file",
+                    path.display(),
+                    format!("cannot be read: {e}"),
+                ));
+            }
         }
     }
     Ok(None)
@@ -39,8 +50,16 @@ pub fn load(candidates: &[PathBuf]) -> Result<Option<(PathBuf, Map<String, Value
 fn parse(path: &Path, text: &str) -> Result<Map<String, Value>, Problem> {
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(Problem::with_value("flat file", path.display(), "must hold a JSON object (a bare ipam config)")),
-        Err(e) => Err(Problem::with_value("flat file", path.display(), format!("is not valid JSON: {e}"))),
+        Ok(_) => Err(Problem::with_value(
+            "flat file",
+            path.display(),
+            "must hold a JSON object (a bare ipam config)",
+        )),
+        Err(e) => Err(Problem::with_value(
+            "flat file",
+            path.display(),
+            format!("is not valid JSON: {e}"),
+        )),
     }
 }
 
@@ -82,10 +101,17 @@ mod tests {
 
     #[test]
     fn nad_wins_flat_fills_lists_whole() {
-        let mut nad = obj(json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x"}, "log_level": "", "enable_overlapping_ranges": false}));
-        let flat = obj(json!({"range": "192.168.0.0/16", "exclude": ["10.0.0.2", "10.0.0.3"], "kubernetes": {"kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": true, "network_name": "n"}));
+        let mut nad = obj(
+            json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x"}, "log_level": "", "enable_overlapping_ranges": false}),
+        );
+        let flat = obj(
+            json!({"range": "192.168.0.0/16", "exclude": ["10.0.0.2", "10.0.0.3"], "kubernetes": {"kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": true, "network_name": "n"}),
+        );
         merge(&mut nad, &flat);
-        assert_eq!(Value::Object(nad), json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x", "kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": false, "network_name": "n"}));
+        assert_eq!(
+            Value::Object(nad),
+            json!({"range": "10.0.0.0/24", "exclude": ["10.0.0.1"], "kubernetes": {"k8s_api_root": "x", "kubeconfig": "/k"}, "log_level": "debug", "enable_overlapping_ranges": false, "network_name": "n"})
+        );
     }
 
     #[test]

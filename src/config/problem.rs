@@ -17,10 +17,18 @@ pub struct Problem {
 
 impl Problem {
     pub fn new(path: impl Into<String>, value: Option<String>, reason: impl Into<String>) -> Self {
-        Problem { path: path.into(), value, reason: reason.into() }
+        Problem {
+            path: path.into(),
+            value,
+            reason: reason.into(),
+        }
     }
 
-    pub fn with_value(path: impl Into<String>, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+    pub fn with_value(
+        path: impl Into<String>,
+        value: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
         Problem::new(path, Some(value.to_string()), reason)
     }
 
@@ -40,5 +48,9 @@ impl fmt::Display for Problem {
 
 /// Joins problems into one message, the form used by CNI errors and admission denials.
 pub fn join(problems: &[Problem]) -> String {
-    problems.iter().map(Problem::to_string).collect::<Vec<_>>().join("; ")
+    problems
+        .iter()
+        .map(Problem::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -17,11 +17,36 @@ use crate::ipam::{AddrRange, Bound, RangeError};
 
 /// Keys upstream understands. Legacy keys of the lease and etcd backends are accepted and unused.
 const KNOWN_KEYS: &[&str] = &[
-    "type", "name", "range", "range_start", "range_end", "exclude", "ipRanges", "gateway", "routes", "dns", "addresses",
-    "enable_overlapping_ranges", "network_name", "node_slice_size", "kubernetes", "configuration_path", "log_file",
-    "log_level", "leader_lease_duration", "leader_renew_deadline", "leader_retry_period", "sleep_for_race",
-    "reconciler_cron_expression", "datastore", "etcd_host", "etcd_username", "etcd_password", "etcd_key_file",
-    "etcd_cert_file", "etcd_ca_cert_file",
+    "type",
+    "name",
+    "range",
+    "range_start",
+    "range_end",
+    "exclude",
+    "ipRanges",
+    "gateway",
+    "routes",
+    "dns",
+    "addresses",
+    "enable_overlapping_ranges",
+    "network_name",
+    "node_slice_size",
+    "kubernetes",
+    "configuration_path",
+    "log_file",
+    "log_level",
+    "leader_lease_duration",
+    "leader_renew_deadline",
+    "leader_retry_period",
+    "sleep_for_race",
+    "reconciler_cron_expression",
+    "datastore",
+    "etcd_host",
+    "etcd_username",
+    "etcd_password",
+    "etcd_key_file",
+    "etcd_cert_file",
+    "etcd_ca_cert_file",
 ];
 const RANGE_KEYS: &[&str] = &["range", "range_start", "range_end", "exclude"];
 const LOG_LEVELS: &[&str] = &["debug", "verbose", "error", "panic"];
@@ -78,10 +103,15 @@ pub struct Validated {
 pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     let mut out = Validated::default();
     let Some(obj) = ipam.as_object() else {
-        out.errors.push(Problem::at(prefix, "must be a JSON object"));
+        out.errors
+            .push(Problem::at(prefix, "must be a JSON object"));
         return out;
     };
-    let mut r = Reader { obj, prefix, errors: Vec::new() };
+    let mut r = Reader {
+        obj,
+        prefix,
+        errors: Vec::new(),
+    };
     let network_name = r.string("network_name").map(str::to_owned);
     let ranges = read_ranges(&mut r, network_name.as_deref());
     let gateway = r.ip("gateway");
@@ -89,7 +119,12 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     let dns = r.object("dns").cloned().map(Value::Object);
     let addresses = read_addresses(&mut r);
     let enable_overlapping_ranges = r.bool("enable_overlapping_ranges").unwrap_or(true);
-    let kubeconfig = r.object("kubernetes").and_then(|k| k.get("kubeconfig")).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_owned);
+    let kubeconfig = r
+        .object("kubernetes")
+        .and_then(|k| k.get("kubeconfig"))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
     let log_file = r.string("log_file").map(str::to_owned);
     let log_level = r.string("log_level").map(str::to_owned);
     r.string("configuration_path");
@@ -100,15 +135,38 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     check_overlaps(&mut r, &ranges);
     let mut errors = r.errors;
     if !declares_range(obj) {
-        let p = Problem::at(format!("{prefix}.range"), "is missing: set ipam.range or ipam.ipRanges");
+        let p = Problem::at(
+            format!("{prefix}.range"),
+            "is missing: set ipam.range or ipam.ipRanges",
+        );
         match source {
             Source::Runtime => errors.push(p),
-            Source::Nad => out.warnings.push(Problem::at(p.path, "is missing: the node's flat file must supply ipam.range or ipam.ipRanges")),
+            Source::Nad => out.warnings.push(Problem::at(
+                p.path,
+                "is missing: the node's flat file must supply ipam.range or ipam.ipRanges",
+            )),
         }
     }
-    out.warnings.extend(warnings(obj, prefix, &ranges, gateway, log_level.as_deref()));
+    out.warnings.extend(warnings(
+        obj,
+        prefix,
+        &ranges,
+        gateway,
+        log_level.as_deref(),
+    ));
     if errors.is_empty() && !ranges.is_empty() {
-        out.config = Some(IpamConfig { ranges, gateway, routes, dns, addresses, enable_overlapping_ranges, network_name, kubeconfig, log_file, log_level });
+        out.config = Some(IpamConfig {
+            ranges,
+            gateway,
+            routes,
+            dns,
+            addresses,
+            enable_overlapping_ranges,
+            network_name,
+            kubeconfig,
+            log_file,
+            log_level,
+        });
     }
     out.errors = errors;
     out
@@ -116,7 +174,11 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
 
 /// True when the config names a range at all; whether it is a good one is checked elsewhere.
 fn declares_range(obj: &Map<String, Value>) -> bool {
-    let present = |k: &str| obj.get(k).is_some_and(|v| !(v.is_null() || v.as_str() == Some("") || v.as_array().is_some_and(Vec::is_empty)));
+    let present = |k: &str| {
+        obj.get(k).is_some_and(|v| {
+            !(v.is_null() || v.as_str() == Some("") || v.as_array().is_some_and(Vec::is_empty))
+        })
+    };
     present("range") || present("ipRanges")
 }
 
@@ -135,7 +197,8 @@ impl<'a> Reader<'a> {
 
     fn wrong_type(&mut self, key: &str, v: &Value, expected: &str) {
         let path = self.path(key);
-        self.errors.push(Problem::with_value(path, v, format!("must be {expected}")));
+        self.errors
+            .push(Problem::with_value(path, v, format!("must be {expected}")));
     }
 
     fn string(&mut self, key: &str) -> Option<&'a str> {
@@ -188,14 +251,19 @@ impl<'a> Reader<'a> {
         let parsed = parse_ip(text);
         if parsed.is_none() {
             let path = self.path(key);
-            self.errors.push(Problem::with_value(path, text, "is not an IP address"));
+            self.errors
+                .push(Problem::with_value(path, text, "is not an IP address"));
         }
         parsed
     }
 
     /// A nested reader for an element such as `ipRanges[1]`.
     fn nested(&self, obj: &'a Map<String, Value>, prefix: &'a str) -> Reader<'a> {
-        Reader { obj, prefix, errors: Vec::new() }
+        Reader {
+            obj,
+            prefix,
+            errors: Vec::new(),
+        }
     }
 }
 
@@ -206,7 +274,9 @@ fn parse_ip(text: &str) -> Option<IpAddr> {
 /// A CIDR, or a bare IP meaning a single address.
 fn parse_cidr_or_ip(text: &str) -> Option<IpNet> {
     let t = text.trim();
-    t.parse::<IpNet>().ok().or_else(|| t.parse::<IpAddr>().ok().map(IpNet::from))
+    t.parse::<IpNet>()
+        .ok()
+        .or_else(|| t.parse::<IpAddr>().ok().map(IpNet::from))
 }
 
 fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfig> {
@@ -218,13 +288,19 @@ fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfi
     for (i, entry) in r.array("ipRanges").iter().enumerate() {
         let prefix = format!("{}.ipRanges[{i}]", r.prefix);
         let Some(obj) = entry.as_object() else {
-            r.errors.push(Problem::with_value(&prefix, entry, "must be an object with a range"));
+            r.errors.push(Problem::with_value(
+                &prefix,
+                entry,
+                "must be an object with a range",
+            ));
             continue;
         };
         let mut nested = r.nested(obj, &prefix);
         let range = read_one_range(&mut nested, &prefix, network_name, false);
         if range.is_none() && nested.errors.is_empty() {
-            nested.errors.push(Problem::at(format!("{prefix}.range"), "is missing"));
+            nested
+                .errors
+                .push(Problem::at(format!("{prefix}.range"), "is missing"));
         }
         r.errors.append(&mut nested.errors);
         ranges.extend(range);
@@ -234,7 +310,12 @@ fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfi
 
 /// Reads `range`, `range_start`, `range_end` and `exclude` from one object. `path` is where the
 /// range is reported: the ipam object itself for the top-level range, `ipRanges[i]` otherwise.
-fn read_one_range(r: &mut Reader<'_>, prefix: &str, network_name: Option<&str>, top_level: bool) -> Option<RangeConfig> {
+fn read_one_range(
+    r: &mut Reader<'_>,
+    prefix: &str,
+    network_name: Option<&str>,
+    top_level: bool,
+) -> Option<RangeConfig> {
     let range_text = r.string("range");
     let mut start = r.ip("range_start");
     let mut end = r.ip("range_end");
@@ -244,11 +325,19 @@ fn read_one_range(r: &mut Reader<'_>, prefix: &str, network_name: Option<&str>, 
         // The `START-CIDR` form: START is range_start, the CIDR's own address is range_end.
         Some((s, cidr)) => {
             let Some(s) = parse_ip(s) else {
-                r.errors.push(Problem::with_value(r.path("range"), range_text, "is not a CIDR or START-CIDR (the start is not an IP address)"));
+                r.errors.push(Problem::with_value(
+                    r.path("range"),
+                    range_text,
+                    "is not a CIDR or START-CIDR (the start is not an IP address)",
+                ));
                 return None;
             };
             if start.is_some() || end.is_some() {
-                r.errors.push(Problem::with_value(r.path("range"), range_text, "gives a start in START-CIDR form; do not also set range_start or range_end"));
+                r.errors.push(Problem::with_value(
+                    r.path("range"),
+                    range_text,
+                    "gives a start in START-CIDR form; do not also set range_start or range_end",
+                ));
                 return None;
             }
             start = Some(s);
@@ -258,17 +347,30 @@ fn read_one_range(r: &mut Reader<'_>, prefix: &str, network_name: Option<&str>, 
         None => range_text,
     };
     let Ok(cidr) = cidr_text.trim().parse::<IpNet>() else {
-        r.errors.push(Problem::with_value(r.path("range"), range_text, "is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"));
+        r.errors.push(Problem::with_value(
+            r.path("range"),
+            range_text,
+            "is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)",
+        ));
         return None;
     };
     let excludes = excludes?;
     match AddrRange::new(cidr, start, end, &excludes) {
         Ok(range) => {
-            let path = if top_level { format!("{prefix}.range") } else { prefix.to_owned() };
-            Some(RangeConfig { path, pool_name: pool_name(network_name, range.cidr()), range })
+            let path = if top_level {
+                format!("{prefix}.range")
+            } else {
+                prefix.to_owned()
+            };
+            Some(RangeConfig {
+                path,
+                pool_name: pool_name(network_name, range.cidr()),
+                range,
+            })
         }
         Err(e) => {
-            r.errors.push(range_problem(prefix, range_text, &excludes, start, end, e));
+            r.errors
+                .push(range_problem(prefix, range_text, &excludes, start, end, e));
             None
         }
     }
@@ -283,8 +385,15 @@ fn read_excludes(r: &mut Reader<'_>) -> Option<Vec<IpNet>> {
             None => {
                 ok = false;
                 let path = format!("{}.exclude[{i}]", r.prefix);
-                let shown = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
-                r.errors.push(Problem::with_value(path, shown, "is not a CIDR or IP address"));
+                let shown = v
+                    .as_str()
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| v.to_string());
+                r.errors.push(Problem::with_value(
+                    path,
+                    shown,
+                    "is not a CIDR or IP address",
+                ));
             }
         }
     }
@@ -292,16 +401,44 @@ fn read_excludes(r: &mut Reader<'_>) -> Option<Vec<IpNet>> {
 }
 
 /// Turns a core range error into a problem naming the field the user wrote.
-fn range_problem(prefix: &str, range_text: &str, excludes: &[IpNet], start: Option<IpAddr>, end: Option<IpAddr>, e: RangeError) -> Problem {
+fn range_problem(
+    prefix: &str,
+    range_text: &str,
+    excludes: &[IpNet],
+    start: Option<IpAddr>,
+    end: Option<IpAddr>,
+    e: RangeError,
+) -> Problem {
     let field = |b: Bound| format!("{prefix}.{b}");
     match e {
-        RangeError::NoUsableAddress { .. } => Problem::with_value(format!("{prefix}.range"), range_text, "has no usable address (a prefix needs at least two host bits)"),
-        RangeError::FamilyMismatch { bound, value, cidr } => Problem::with_value(field(bound), value, format!("is not of the same address family as range {cidr}")),
-        RangeError::Outside { bound, value, cidr } => Problem::with_value(field(bound), value, format!("is outside range {cidr}")),
-        RangeError::Inverted { .. } => Problem::with_value(field(Bound::Start), start.map(|s| s.to_string()).unwrap_or_default(), format!("is after range_end {}", end.map(|s| s.to_string()).unwrap_or_default())),
+        RangeError::NoUsableAddress { .. } => Problem::with_value(
+            format!("{prefix}.range"),
+            range_text,
+            "has no usable address (a prefix needs at least two host bits)",
+        ),
+        RangeError::FamilyMismatch { bound, value, cidr } => Problem::with_value(
+            field(bound),
+            value,
+            format!("is not of the same address family as range {cidr}"),
+        ),
+        RangeError::Outside { bound, value, cidr } => {
+            Problem::with_value(field(bound), value, format!("is outside range {cidr}"))
+        }
+        RangeError::Inverted { .. } => Problem::with_value(
+            field(Bound::Start),
+            start.map(|s| s.to_string()).unwrap_or_default(),
+            format!(
+                "is after range_end {}",
+                end.map(|s| s.to_string()).unwrap_or_default()
+            ),
+        ),
         RangeError::AllExcluded { cidr, first, last } => Problem::with_value(
             format!("{prefix}.exclude"),
-            excludes.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            excludes
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
             format!("leaves no usable address in range {cidr} (window {first} to {last})"),
         ),
     }
@@ -313,13 +450,28 @@ fn read_routes(r: &mut Reader<'_>) -> Vec<Value> {
         let path = format!("{}.routes[{i}]", r.prefix);
         let dst = v.get("dst").and_then(Value::as_str);
         if dst.and_then(|d| d.trim().parse::<IpNet>().ok()).is_none() {
-            let shown = v.get("dst").map(|d| d.as_str().map(str::to_owned).unwrap_or_else(|| d.to_string())).unwrap_or_default();
-            r.errors.push(Problem::with_value(format!("{path}.dst"), shown, "is not a CIDR"));
+            let shown = v
+                .get("dst")
+                .map(|d| {
+                    d.as_str()
+                        .map(str::to_owned)
+                        .unwrap_or_else(|| d.to_string())
+                })
+                .unwrap_or_default();
+            r.errors.push(Problem::with_value(
+                format!("{path}.dst"),
+                shown,
+                "is not a CIDR",
+            ));
             continue;
         }
         if let Some(gw) = v.get("gw").filter(|g| !g.is_null()) {
             if gw.as_str().and_then(parse_ip).is_none() {
-                r.errors.push(Problem::with_value(format!("{path}.gw"), gw, "is not an IP address"));
+                r.errors.push(Problem::with_value(
+                    format!("{path}.gw"),
+                    gw,
+                    "is not an IP address",
+                ));
                 continue;
             }
         }
@@ -334,15 +486,27 @@ fn read_addresses(r: &mut Reader<'_>) -> Vec<StaticAddress> {
         let path = format!("{}.addresses[{i}]", r.prefix);
         let text = v.get("address").and_then(Value::as_str).unwrap_or_default();
         let Ok(address) = text.trim().parse::<IpNet>() else {
-            r.errors.push(Problem::with_value(format!("{path}.address"), text, "is not an address with a prefix length (for example 10.0.0.5/24)"));
+            r.errors.push(Problem::with_value(
+                format!("{path}.address"),
+                text,
+                "is not an address with a prefix length (for example 10.0.0.5/24)",
+            ));
             continue;
         };
-        let gateway = match v.get("gateway").and_then(Value::as_str).filter(|s| !s.is_empty()) {
+        let gateway = match v
+            .get("gateway")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+        {
             None => None,
             Some(g) => match parse_ip(g) {
                 Some(ip) => Some(ip),
                 None => {
-                    r.errors.push(Problem::with_value(format!("{path}.gateway"), g, "is not an IP address"));
+                    r.errors.push(Problem::with_value(
+                        format!("{path}.gateway"),
+                        g,
+                        "is not an IP address",
+                    ));
                     continue;
                 }
             },
@@ -354,15 +518,23 @@ fn read_addresses(r: &mut Reader<'_>) -> Vec<StaticAddress> {
 
 /// Node slices are not implemented yet; the size is still checked so the message is precise.
 fn check_node_slice(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
-    let Some(text) = r.string("node_slice_size") else { return };
+    let Some(text) = r.string("node_slice_size") else {
+        return;
+    };
     let path = r.path("node_slice_size");
     let prefix_len = text.trim().trim_start_matches('/').parse::<u8>().ok();
     let problem = match (prefix_len, ranges.first()) {
         (None, _) => "is not a prefix length (for example /28)".to_owned(),
-        (Some(p), Some(first)) if p < first.range.cidr().prefix_len() || p > first.range.cidr().max_prefix_len() => {
-            format!("does not fit range {}: a slice must be smaller than the range", first.range.cidr())
+        (Some(p), Some(first))
+            if p < first.range.cidr().prefix_len() || p > first.range.cidr().max_prefix_len() =>
+        {
+            format!(
+                "does not fit range {}: a slice must be smaller than the range",
+                first.range.cidr()
+            )
         }
-        _ => "is not supported yet: remove node_slice_size to allocate from the whole range".to_owned(),
+        _ => "is not supported yet: remove node_slice_size to allocate from the whole range"
+            .to_owned(),
     };
     r.errors.push(Problem::with_value(path, text, problem));
 }
@@ -371,14 +543,22 @@ fn check_node_slice(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
 fn check_network_name(r: &mut Reader<'_>, name: &str, ranges: &[RangeConfig]) {
     let path = r.path("network_name");
     if let Some(why) = object_name_problem(name) {
-        r.errors.push(Problem::with_value(path, name, format!("is not usable in object names: {why}")));
+        r.errors.push(Problem::with_value(
+            path,
+            name,
+            format!("is not usable in object names: {why}"),
+        ));
         return;
     }
     for range in ranges {
         let last = range.range.window().1;
         for object in [range.pool_name.clone(), reservation_name(Some(name), last)] {
             if let Some(why) = object_name_problem(&object) {
-                r.errors.push(Problem::with_value(path.clone(), name, format!("gives the object name {object:?}, which {why}")));
+                r.errors.push(Problem::with_value(
+                    path.clone(),
+                    name,
+                    format!("gives the object name {object:?}, which {why}"),
+                ));
             }
         }
     }
@@ -390,31 +570,65 @@ fn check_overlaps(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
     for (i, a) in ranges.iter().enumerate() {
         for b in &ranges[..i] {
             if a.range.windows_overlap(&b.range) {
-                r.errors.push(Problem::with_value(a.path.clone(), a.range.cidr(), format!("overlaps {} ({})", b.path, b.range.cidr())));
+                r.errors.push(Problem::with_value(
+                    a.path.clone(),
+                    a.range.cidr(),
+                    format!("overlaps {} ({})", b.path, b.range.cidr()),
+                ));
             }
         }
     }
 }
 
-fn warnings(obj: &Map<String, Value>, prefix: &str, ranges: &[RangeConfig], gateway: Option<IpAddr>, log_level: Option<&str>) -> Vec<Problem> {
+fn warnings(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    ranges: &[RangeConfig],
+    gateway: Option<IpAddr>,
+    log_level: Option<&str>,
+) -> Vec<Problem> {
     let mut w = Vec::new();
     let known: BTreeSet<&str> = KNOWN_KEYS.iter().copied().collect();
     for key in obj.keys().filter(|k| !known.contains(k.as_str())) {
-        w.push(Problem::at(format!("{prefix}.{key}"), "is not a whereabouts setting and is ignored"));
+        w.push(Problem::at(
+            format!("{prefix}.{key}"),
+            "is not a whereabouts setting and is ignored",
+        ));
     }
     if let Some(Value::Array(entries)) = obj.get("ipRanges") {
         for (i, e) in entries.iter().enumerate() {
-            for key in e.as_object().into_iter().flat_map(|o| o.keys()).filter(|k| !RANGE_KEYS.contains(&k.as_str())) {
-                w.push(Problem::at(format!("{prefix}.ipRanges[{i}].{key}"), "is not a range setting and is ignored"));
+            for key in e
+                .as_object()
+                .into_iter()
+                .flat_map(|o| o.keys())
+                .filter(|k| !RANGE_KEYS.contains(&k.as_str()))
+            {
+                w.push(Problem::at(
+                    format!("{prefix}.ipRanges[{i}].{key}"),
+                    "is not a range setting and is ignored",
+                ));
             }
         }
     }
     if let Some(level) = log_level.filter(|l| !LOG_LEVELS.contains(l)) {
-        w.push(Problem::with_value(format!("{prefix}.log_level"), level, format!("is not one of {}; using error", LOG_LEVELS.join(", "))));
+        w.push(Problem::with_value(
+            format!("{prefix}.log_level"),
+            level,
+            format!("is not one of {}; using error", LOG_LEVELS.join(", ")),
+        ));
     }
     for range in ranges {
-        for net in range.range.excludes().iter().filter(|n| !range.range.window_touches(n)) {
-            w.push(Problem::with_value(format!("{}.exclude", range.path.trim_end_matches(".range")), net, format!("does not touch the window of range {}", range.range.cidr())));
+        for net in range
+            .range
+            .excludes()
+            .iter()
+            .filter(|n| !range.range.window_touches(n))
+        {
+            w.push(Problem::with_value(
+                format!("{}.exclude", range.path.trim_end_matches(".range")),
+                net,
+                format!("does not touch the window of range {}", range.range.cidr()),
+            ));
         }
     }
     if let Some(gw) = gateway {
@@ -428,6 +642,17 @@ fn gateway_warnings(prefix: &str, gw: IpAddr, ranges: &[RangeConfig]) -> Option<
     if !ranges.is_empty() && !ranges.iter().any(|r| r.range.cidr().contains(&gw)) {
         return Some(Problem::with_value(path, gw, "is outside every range"));
     }
-    let inside = ranges.iter().find(|r| r.range.offset_of(gw).is_some_and(|o| r.range.is_allocatable(o)))?;
-    Some(Problem::with_value(path, gw, format!("is inside the allocatable window of {} and may be handed to a pod: add it to exclude or narrow range_start/range_end", inside.range.cidr())))
+    let inside = ranges.iter().find(|r| {
+        r.range
+            .offset_of(gw)
+            .is_some_and(|o| r.range.is_allocatable(o))
+    })?;
+    Some(Problem::with_value(
+        path,
+        gw,
+        format!(
+            "is inside the allocatable window of {} and may be handed to a pod: add it to exclude or narrow range_start/range_end",
+            inside.range.cidr()
+        ),
+    ))
 }

@@ -47,7 +47,9 @@ pub fn to_u128(ip: IpAddr) -> u128 {
 /// Converts back; `None` when the value does not fit the family (an IPv4 value above 2^32).
 pub fn from_u128(family: Family, value: u128) -> Option<IpAddr> {
     match family {
-        Family::V4 => u32::try_from(value).ok().map(|v| IpAddr::V4(Ipv4Addr::from(v))),
+        Family::V4 => u32::try_from(value)
+            .ok()
+            .map(|v| IpAddr::V4(Ipv4Addr::from(v))),
         Family::V6 => Some(IpAddr::V6(Ipv6Addr::from(value))),
     }
 }
@@ -58,7 +60,13 @@ mod tests {
 
     #[test]
     fn round_trips_both_families() {
-        for text in ["10.0.0.1", "255.255.255.255", "::", "2001:db8::1", "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"] {
+        for text in [
+            "10.0.0.1",
+            "255.255.255.255",
+            "::",
+            "2001:db8::1",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ] {
             let ip: IpAddr = text.parse().unwrap();
             assert_eq!(from_u128(Family::of(ip), to_u128(ip)), Some(ip));
         }

@@ -37,12 +37,23 @@ pub fn object_name_problem(name: &str) -> Option<String> {
         return Some("must not be empty".into());
     }
     if name.len() > 253 {
-        return Some(format!("is {} characters long, the limit is 253", name.len()));
+        return Some(format!(
+            "is {} characters long, the limit is 253",
+            name.len()
+        ));
     }
     for label in name.split('.') {
-        let valid_chars = label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-        let alnum_ends = label.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
-            && label.bytes().last().is_some_and(|b| b.is_ascii_alphanumeric());
+        let valid_chars = label
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        let alnum_ends = label
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+            && label
+                .bytes()
+                .last()
+                .is_some_and(|b| b.is_ascii_alphanumeric());
         if !valid_chars || !alnum_ends {
             return Some("must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character".into());
         }
@@ -56,18 +67,42 @@ mod tests {
 
     #[test]
     fn pool_names_match_upstream() {
-        assert_eq!(pool_name(None, "192.168.2.230/24".parse().unwrap()), "192.168.2.0-24");
-        assert_eq!(pool_name(None, "fd00:0:0:10::/64".parse().unwrap()), "fd00-0-0-10---64");
-        assert_eq!(pool_name(Some("blue"), "10.0.0.0/8".parse().unwrap()), "blue-10.0.0.0-8");
-        assert_eq!(pool_name(Some(""), "10.0.0.0/8".parse().unwrap()), "10.0.0.0-8");
+        assert_eq!(
+            pool_name(None, "192.168.2.230/24".parse().unwrap()),
+            "192.168.2.0-24"
+        );
+        assert_eq!(
+            pool_name(None, "fd00:0:0:10::/64".parse().unwrap()),
+            "fd00-0-0-10---64"
+        );
+        assert_eq!(
+            pool_name(Some("blue"), "10.0.0.0/8".parse().unwrap()),
+            "blue-10.0.0.0-8"
+        );
+        assert_eq!(
+            pool_name(Some(""), "10.0.0.0/8".parse().unwrap()),
+            "10.0.0.0-8"
+        );
     }
 
     #[test]
     fn reservation_names_match_upstream() {
-        assert_eq!(reservation_name(None, "2001::1".parse().unwrap()), "2001--1");
-        assert_eq!(reservation_name(None, "fdef:b041:5422:5::".parse().unwrap()), "fdef-b041-5422-5--0");
-        assert_eq!(reservation_name(None, "10.0.0.5".parse().unwrap()), "10.0.0.5");
-        assert_eq!(reservation_name(Some("red"), "10.0.0.5".parse().unwrap()), "red-10.0.0.5");
+        assert_eq!(
+            reservation_name(None, "2001::1".parse().unwrap()),
+            "2001--1"
+        );
+        assert_eq!(
+            reservation_name(None, "fdef:b041:5422:5::".parse().unwrap()),
+            "fdef-b041-5422-5--0"
+        );
+        assert_eq!(
+            reservation_name(None, "10.0.0.5".parse().unwrap()),
+            "10.0.0.5"
+        );
+        assert_eq!(
+            reservation_name(Some("red"), "10.0.0.5".parse().unwrap()),
+            "red-10.0.0.5"
+        );
     }
 
     #[test]

@@ -36,13 +36,25 @@ pub enum RangeError {
     #[error("range {cidr} has no usable address (a prefix needs at least two host bits)")]
     NoUsableAddress { cidr: IpNet },
     #[error("{bound} {value} is not of the same address family as range {cidr}")]
-    FamilyMismatch { bound: Bound, value: String, cidr: IpNet },
+    FamilyMismatch {
+        bound: Bound,
+        value: String,
+        cidr: IpNet,
+    },
     #[error("{bound} {value} is outside range {cidr}")]
-    Outside { bound: Bound, value: IpAddr, cidr: IpNet },
+    Outside {
+        bound: Bound,
+        value: IpAddr,
+        cidr: IpNet,
+    },
     #[error("range_start {start} is after range_end {end}")]
     Inverted { start: IpAddr, end: IpAddr },
     #[error("exclude leaves no usable address in range {cidr} (window {first} to {last})")]
-    AllExcluded { cidr: IpNet, first: IpAddr, last: IpAddr },
+    AllExcluded {
+        cidr: IpNet,
+        first: IpAddr,
+        last: IpAddr,
+    },
 }
 
 /// A contiguous block of offsets, both ends inclusive.
@@ -69,7 +81,12 @@ impl AddrRange {
     /// Builds the window of `cidr` (host bits dropped), narrowed by `start`/`end` and with
     /// `excludes` removed. A start at the network address is moved to the first usable address, as
     /// upstream does; anything outside the CIDR is an error instead of being silently ignored.
-    pub fn new(cidr: IpNet, start: Option<IpAddr>, end: Option<IpAddr>, excludes: &[IpNet]) -> Result<Self, RangeError> {
+    pub fn new(
+        cidr: IpNet,
+        start: Option<IpAddr>,
+        end: Option<IpAddr>,
+        excludes: &[IpNet],
+    ) -> Result<Self, RangeError> {
         let cidr = cidr.trunc();
         let family = Family::of(cidr.addr());
         let host_bits = cidr.max_prefix_len() - cidr.prefix_len();
@@ -77,7 +94,11 @@ impl AddrRange {
             return Err(RangeError::NoUsableAddress { cidr });
         }
         let base = to_u128(cidr.network());
-        let span = if host_bits == 128 { u128::MAX } else { (1u128 << host_bits) - 1 };
+        let span = if host_bits == 128 {
+            u128::MAX
+        } else {
+            (1u128 << host_bits) - 1
+        };
         let (mut first, mut last) = (1u128, span - 1);
         if let Some(ip) = start {
             first = first.max(offset_in(cidr, family, base, Bound::Start, ip)?);
@@ -86,11 +107,22 @@ impl AddrRange {
             last = last.min(offset_in(cidr, family, base, Bound::End, ip)?);
         }
         if first > last {
-            let (start, end) = (start.unwrap_or(cidr.network()), end.unwrap_or(cidr.broadcast()));
+            let (start, end) = (
+                start.unwrap_or(cidr.network()),
+                end.unwrap_or(cidr.broadcast()),
+            );
             return Err(RangeError::Inverted { start, end });
         }
         let blocks = merge_excludes(cidr, family, base, excludes, first, last)?;
-        let range = AddrRange { cidr, family, base, first, last, excludes: excludes.iter().map(IpNet::trunc).collect(), blocks };
+        let range = AddrRange {
+            cidr,
+            family,
+            base,
+            first,
+            last,
+            excludes: excludes.iter().map(IpNet::trunc).collect(),
+            blocks,
+        };
         if range.size() == 0 {
             let (first, last) = range.window();
             return Err(RangeError::AllExcluded { cidr, first, last });
@@ -113,7 +145,10 @@ impl AddrRange {
 
     /// First and last allocatable address before excludes.
     pub fn window(&self) -> (IpAddr, IpAddr) {
-        (self.addr_at(self.first).expect("window inside cidr"), self.addr_at(self.last).expect("window inside cidr"))
+        (
+            self.addr_at(self.first).expect("window inside cidr"),
+            self.addr_at(self.last).expect("window inside cidr"),
+        )
     }
 
     /// Number of allocatable addresses: the window less the excluded blocks. IPv6 sizes can exceed
@@ -139,13 +174,20 @@ impl AddrRange {
 
     /// True when the offset is in the window and not excluded: an address this range may hand out.
     pub fn is_allocatable(&self, offset: u128) -> bool {
-        offset >= self.first && offset <= self.last && !self.blocks.iter().any(|b| b.first <= offset && offset <= b.last)
+        offset >= self.first
+            && offset <= self.last
+            && !self
+                .blocks
+                .iter()
+                .any(|b| b.first <= offset && offset <= b.last)
     }
 
     /// True when `net` shares at least one address with the window.
     pub fn window_touches(&self, net: &IpNet) -> bool {
         let (lo, hi) = (to_u128(net.network()), to_u128(net.broadcast()));
-        Family::of(net.addr()) == self.family && lo <= self.base + self.last && hi >= self.base + self.first
+        Family::of(net.addr()) == self.family
+            && lo <= self.base + self.last
+            && hi >= self.base + self.first
     }
 
     /// True when the two ranges' windows share at least one address.
@@ -157,12 +199,20 @@ impl AddrRange {
 
     /// Free offsets in ascending order, skipping `taken` offsets and excluded blocks.
     pub fn free<'a>(&'a self, taken: &'a BTreeSet<u128>) -> Free<'a> {
-        Free { range: self, taken, next: Some(self.first), block: 0 }
+        Free {
+            range: self,
+            taken,
+            next: Some(self.first),
+            block: 0,
+        }
     }
 
     /// Number of allocatable addresses not in `taken` (entries outside the window do not count).
     pub fn free_count(&self, taken: &BTreeSet<u128>) -> u128 {
-        let used = taken.range(self.first..=self.last).filter(|o| self.is_allocatable(**o)).count();
+        let used = taken
+            .range(self.first..=self.last)
+            .filter(|o| self.is_allocatable(**o))
+            .count();
         self.size() - used as u128
     }
 
@@ -170,7 +220,12 @@ impl AddrRange {
     /// users rely on). After a lost race, concurrent claimants would all collide on the same
     /// "next lowest" address, so later attempts pick at random among the first few free addresses,
     /// the choice widening with each attempt; allocations stay packed at the bottom of the window.
-    pub fn pick(&self, taken: &BTreeSet<u128>, attempt: u32, random_below: impl FnOnce(usize) -> usize) -> Option<u128> {
+    pub fn pick(
+        &self,
+        taken: &BTreeSet<u128>,
+        attempt: u32,
+        random_below: impl FnOnce(usize) -> usize,
+    ) -> Option<u128> {
         if attempt == 0 {
             return self.free(taken).next();
         }
@@ -218,29 +273,57 @@ impl Iterator for Free<'_> {
     }
 }
 
-fn offset_in(cidr: IpNet, family: Family, base: u128, bound: Bound, ip: IpAddr) -> Result<u128, RangeError> {
+fn offset_in(
+    cidr: IpNet,
+    family: Family,
+    base: u128,
+    bound: Bound,
+    ip: IpAddr,
+) -> Result<u128, RangeError> {
     if Family::of(ip) != family {
-        return Err(RangeError::FamilyMismatch { bound, value: ip.to_string(), cidr });
+        return Err(RangeError::FamilyMismatch {
+            bound,
+            value: ip.to_string(),
+            cidr,
+        });
     }
     if !cidr.contains(&ip) {
-        return Err(RangeError::Outside { bound, value: ip, cidr });
+        return Err(RangeError::Outside {
+            bound,
+            value: ip,
+            cidr,
+        });
     }
     Ok(to_u128(ip) - base)
 }
 
 /// Clips every exclude to the window and merges overlapping or adjacent blocks. Excludes of the
 /// wrong family are errors; excludes outside the range are legal (and warned about elsewhere).
-fn merge_excludes(cidr: IpNet, family: Family, base: u128, excludes: &[IpNet], first: u128, last: u128) -> Result<Vec<Block>, RangeError> {
+fn merge_excludes(
+    cidr: IpNet,
+    family: Family,
+    base: u128,
+    excludes: &[IpNet],
+    first: u128,
+    last: u128,
+) -> Result<Vec<Block>, RangeError> {
     let mut blocks = Vec::with_capacity(excludes.len());
     for (i, net) in excludes.iter().enumerate() {
         if Family::of(net.addr()) != family {
-            return Err(RangeError::FamilyMismatch { bound: Bound::Exclude(i), value: net.to_string(), cidr });
+            return Err(RangeError::FamilyMismatch {
+                bound: Bound::Exclude(i),
+                value: net.to_string(),
+                cidr,
+            });
         }
         let (lo, hi) = (to_u128(net.network()), to_u128(net.broadcast()));
         if hi < base + first || lo > base + last {
             continue;
         }
-        blocks.push(Block { first: lo.max(base + first) - base, last: hi.min(base + last) - base });
+        blocks.push(Block {
+            first: lo.max(base + first) - base,
+            last: hi.min(base + last) - base,
+        });
     }
     blocks.sort();
     let mut merged: Vec<Block> = Vec::with_capacity(blocks.len());
@@ -274,14 +357,23 @@ mod tests {
         assert_eq!(r.window(), (ip("192.168.2.1"), ip("192.168.2.254")));
         assert_eq!(r.size(), 254);
         let r6 = range("fd00:0:0:10::/64");
-        assert_eq!(r6.window(), (ip("fd00:0:0:10::1"), ip("fd00:0:0:10:ffff:ffff:ffff:fffe")));
+        assert_eq!(
+            r6.window(),
+            (ip("fd00:0:0:10::1"), ip("fd00:0:0:10:ffff:ffff:ffff:fffe"))
+        );
         assert_eq!(r6.size(), (1u128 << 64) - 2);
     }
 
     #[test]
     fn tiny_prefixes_have_no_usable_address() {
         for cidr in ["10.0.0.0/31", "10.0.0.1/32", "2001::/127", "2001::1/128"] {
-            assert!(matches!(AddrRange::new(net(cidr), None, None, &[]), Err(RangeError::NoUsableAddress { .. })), "{cidr}");
+            assert!(
+                matches!(
+                    AddrRange::new(net(cidr), None, None, &[]),
+                    Err(RangeError::NoUsableAddress { .. })
+                ),
+                "{cidr}"
+            );
         }
         assert_eq!(range("10.0.0.0/30").size(), 2);
     }
@@ -295,7 +387,13 @@ mod tests {
 
     #[test]
     fn start_and_end_narrow_the_window() {
-        let r = AddrRange::new(net("10.10.10.10/24"), Some(ip("10.10.10.20")), Some(ip("10.10.10.200")), &[]).unwrap();
+        let r = AddrRange::new(
+            net("10.10.10.10/24"),
+            Some(ip("10.10.10.20")),
+            Some(ip("10.10.10.200")),
+            &[],
+        )
+        .unwrap();
         assert_eq!(r.window(), (ip("10.10.10.20"), ip("10.10.10.200")));
         assert_eq!(r.size(), 181);
         // A start at the network address is clamped, as upstream does.
@@ -306,18 +404,53 @@ mod tests {
     #[test]
     fn bad_bounds_are_errors_naming_the_value() {
         let e = AddrRange::new(net("10.0.0.0/24"), Some(ip("10.0.1.5")), None, &[]).unwrap_err();
-        assert_eq!(e.to_string(), "range_start 10.0.1.5 is outside range 10.0.0.0/24");
-        let e = AddrRange::new(net("10.0.0.0/24"), Some(ip("10.0.0.50")), Some(ip("10.0.0.10")), &[]).unwrap_err();
-        assert_eq!(e.to_string(), "range_start 10.0.0.50 is after range_end 10.0.0.10");
+        assert_eq!(
+            e.to_string(),
+            "range_start 10.0.1.5 is outside range 10.0.0.0/24"
+        );
+        let e = AddrRange::new(
+            net("10.0.0.0/24"),
+            Some(ip("10.0.0.50")),
+            Some(ip("10.0.0.10")),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "range_start 10.0.0.50 is after range_end 10.0.0.10"
+        );
         let e = AddrRange::new(net("10.0.0.0/24"), None, Some(ip("2001::1")), &[]).unwrap_err();
-        assert!(matches!(e, RangeError::FamilyMismatch { bound: Bound::End, .. }));
+        assert!(matches!(
+            e,
+            RangeError::FamilyMismatch {
+                bound: Bound::End,
+                ..
+            }
+        ));
         let e = AddrRange::new(net("10.0.0.0/24"), None, None, &[net("2001::/64")]).unwrap_err();
-        assert!(matches!(e, RangeError::FamilyMismatch { bound: Bound::Exclude(0), .. }));
+        assert!(matches!(
+            e,
+            RangeError::FamilyMismatch {
+                bound: Bound::Exclude(0),
+                ..
+            }
+        ));
     }
 
     #[test]
     fn excludes_are_jumped_and_counted() {
-        let r = AddrRange::new(net("10.0.0.0/24"), None, None, &[net("10.0.0.0/28"), net("10.0.0.16/32"), net("10.0.0.200/29"), net("192.168.0.0/16")]).unwrap();
+        let r = AddrRange::new(
+            net("10.0.0.0/24"),
+            None,
+            None,
+            &[
+                net("10.0.0.0/28"),
+                net("10.0.0.16/32"),
+                net("10.0.0.200/29"),
+                net("192.168.0.0/16"),
+            ],
+        )
+        .unwrap();
         assert_eq!(r.free(&BTreeSet::new()).next(), Some(17));
         // 254 usable, minus .1-.15 (15), .16 (1), .200-.207 (8).
         assert_eq!(r.size(), 254 - 15 - 1 - 8);
@@ -328,16 +461,34 @@ mod tests {
     #[test]
     fn everything_excluded_is_an_error() {
         let e = AddrRange::new(net("10.0.0.0/24"), None, None, &[net("10.0.0.0/24")]).unwrap_err();
-        assert_eq!(e.to_string(), "exclude leaves no usable address in range 10.0.0.0/24 (window 10.0.0.1 to 10.0.0.254)");
+        assert_eq!(
+            e.to_string(),
+            "exclude leaves no usable address in range 10.0.0.0/24 (window 10.0.0.1 to 10.0.0.254)"
+        );
     }
 
     #[test]
     fn full_window_of_a_huge_range_is_found_at_once() {
         // A /64 whose window is excluded except for two addresses, both taken: the walk must end
         // after a handful of steps, not 2^64.
-        let all = AddrRange::new(net("2001:db8::/64"), None, None, &[net("2001:db8::/65"), net("2001:db8:0:0:8000::2/65")]);
+        let all = AddrRange::new(
+            net("2001:db8::/64"),
+            None,
+            None,
+            &[net("2001:db8::/65"), net("2001:db8:0:0:8000::2/65")],
+        );
         assert!(matches!(all, Err(RangeError::AllExcluded { .. })));
-        let r = AddrRange::new(net("2001:db8::/64"), Some(ip("2001:db8::ffff:ffff:ffff:fff0")), None, &[net("2001:db8::ffff:ffff:ffff:fff0/126"), net("2001:db8::ffff:ffff:ffff:fff4/126"), net("2001:db8::ffff:ffff:ffff:fff8/126")]).unwrap();
+        let r = AddrRange::new(
+            net("2001:db8::/64"),
+            Some(ip("2001:db8::ffff:ffff:ffff:fff0")),
+            None,
+            &[
+                net("2001:db8::ffff:ffff:ffff:fff0/126"),
+                net("2001:db8::ffff:ffff:ffff:fff4/126"),
+                net("2001:db8::ffff:ffff:ffff:fff8/126"),
+            ],
+        )
+        .unwrap();
         assert_eq!(r.size(), 3);
         let taken: BTreeSet<u128> = r.free(&BTreeSet::new()).collect();
         assert_eq!(taken.len(), 3);
@@ -349,7 +500,10 @@ mod tests {
     fn zero_ending_addresses_inside_larger_prefixes_are_allocatable() {
         let r = AddrRange::new(net("10.0.0.0/16"), Some(ip("10.0.0.255")), None, &[]).unwrap();
         let taken = BTreeSet::from([255]);
-        assert_eq!(r.addr_at(r.free(&taken).next().unwrap()), Some(ip("10.0.1.0")));
+        assert_eq!(
+            r.addr_at(r.free(&taken).next().unwrap()),
+            Some(ip("10.0.1.0"))
+        );
     }
 
     #[test]

@@ -1,0 +1,371 @@
+//! The CNI plugin: commands over a [`Store`], independent of how the store is reached.
+//!
+//! [`load`] turns environment and stdin into a [`Request`] (every input validated, failures are
+//! CNI errors); [`handle`] runs it. The binary only wires a Kubernetes store and prints.
+
+pub mod allocate;
+pub mod protocol;
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+
+use serde_json::{Map, Value};
+
+use crate::config::{IpamConfig, NetConf, Source, flat, problem, validate_ipam};
+use crate::store::Store;
+use allocate::{AllocError, PoolWrites, Scope, allocate, release, release_entries};
+use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
+
+/// Everything a command needs, validated.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub command: Command,
+    pub attachment: Attachment,
+    pub args: CniArgs,
+    pub conf: NetConf,
+    pub ipam: IpamConfig,
+    pub writes: PoolWrites,
+}
+
+/// What the runtime passed: the environment (as a lookup) and stdin.
+pub struct Invocation<'a> {
+    pub env: &'a dyn Fn(&str) -> Option<String>,
+    pub stdin: &'a str,
+    /// Where to look for the flat file; `None` means the standard lookup.
+    pub flat_file_paths: Option<Vec<std::path::PathBuf>>,
+}
+
+/// Parses and validates an invocation (not VERSION, which needs none of this).
+pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError> {
+    let conf = NetConf::parse(inv.stdin, "network config")
+        .map_err(|p| CniError::new(code::DECODE, p.to_string()))?;
+    protocol::check_version(&conf.cni_version)?;
+    let (prefix, ipam) = conf
+        .runtime_ipam()
+        .ok_or_else(|| CniError::new(code::INVALID_CONFIG, "network config has no ipam object"))?;
+    let merged = merge_flat_file(ipam, inv)?;
+    let validated = validate_ipam(&merged, &prefix, Source::Runtime);
+    for w in &validated.warnings {
+        tracing::warn!("{w}");
+    }
+    let ipam = validated.config.ok_or_else(|| {
+        CniError::new(
+            code::INVALID_CONFIG,
+            format!(
+                "invalid whereabouts config: {}",
+                problem::join(&validated.errors)
+            ),
+        )
+    })?;
+    let env = |k: &str| (inv.env)(k).unwrap_or_default();
+    let args = CniArgs::parse(&env("CNI_ARGS"))?;
+    let attachment = Attachment {
+        container_id: env("CNI_CONTAINERID"),
+        ifname: env("CNI_IFNAME"),
+        podref: args.podref(),
+        pod_uid: args.pod_uid.clone(),
+    };
+    require_env(command, &attachment)?;
+    let writes = match (inv.env)("WHEREABOUTS_POOL_WRITES").as_deref() {
+        Some("resourceVersion") => PoolWrites::ResourceVersion,
+        _ => PoolWrites::KeyAbsent,
+    };
+    Ok(Request {
+        command,
+        attachment,
+        args,
+        conf,
+        ipam,
+        writes,
+    })
+}
+
+fn merge_flat_file(ipam: &Value, inv: &Invocation<'_>) -> Result<Value, CniError> {
+    let Some(obj) = ipam.as_object() else {
+        return Ok(ipam.clone());
+    };
+    let configuration_path = obj.get("configuration_path").and_then(Value::as_str);
+    let paths = inv
+        .flat_file_paths
+        .clone()
+        .unwrap_or_else(|| flat::candidates(configuration_path));
+    let mut merged: Map<String, Value> = obj.clone();
+    if let Some((path, flat_conf)) =
+        flat::load(&paths).map_err(|p| CniError::new(code::INVALID_CONFIG, p.to_string()))?
+    {
+        tracing::debug!(path = %path.display(), "merging flat file");
+        flat::merge(&mut merged, &flat_conf);
+    }
+    Ok(Value::Object(merged))
+}
+
+fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
+    if !matches!(command, Command::Add | Command::Del | Command::Check) {
+        return Ok(());
+    }
+    let missing = |name: &str| CniError::new(code::INVALID_ENV, format!("{name} is not set"));
+    if a.container_id.is_empty() {
+        return Err(missing("CNI_CONTAINERID"));
+    }
+    if a.ifname.is_empty() {
+        return Err(missing("CNI_IFNAME"));
+    }
+    if command == Command::Add && a.podref.is_empty() {
+        return Err(CniError::new(
+            code::INVALID_ENV,
+            "CNI_ARGS has no K8S_POD_NAME/K8S_POD_NAMESPACE: whereabouts records the pod of every address",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs a command. `Ok(Some(json))` is printed on stdout; `Ok(None)` prints nothing.
+pub async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
+    match req.command {
+        Command::Add => add(store, req).await.map(Some),
+        Command::Del => del(store, req).await.map(|_| None),
+        Command::Check => check(store, req).await.map(|_| None),
+        Command::Gc => gc(store, req).await.map(|_| None),
+        Command::Status => status(store).await.map(|_| None),
+        Command::Version => Ok(Some(protocol::version_reply())),
+    }
+}
+
+fn scope(req: &Request) -> Scope<'_> {
+    Scope {
+        network_name: req.ipam.network_name.as_deref(),
+        overlapping: req.ipam.enable_overlapping_ranges,
+        writes: req.writes,
+    }
+}
+
+/// Allocates one address per range, in order; all or nothing.
+async fn add<S: Store>(store: &S, req: &Request) -> Result<Value, CniError> {
+    let mut ips = Vec::with_capacity(req.ipam.ranges.len());
+    for (i, range) in req.ipam.ranges.iter().enumerate() {
+        match allocate(store, range, scope(req), &req.attachment).await {
+            Ok(a) => {
+                tracing::info!(ip = %a.ip, pool = %range.pool_name, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+                ips.push(IpResult {
+                    address: ipnet::IpNet::new(a.ip, range.range.cidr().prefix_len())
+                        .expect("prefix of the range"),
+                    gateway: gateway_for(req, a.ip),
+                });
+            }
+            Err(e) => {
+                rollback(store, req, i).await;
+                return Err(alloc_error(e));
+            }
+        }
+    }
+    ips.extend(static_addresses(req));
+    Ok(render_result(
+        &req.conf.cni_version,
+        &ips,
+        &req.ipam.routes,
+        req.ipam.dns.as_ref(),
+    ))
+}
+
+/// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
+async fn rollback<S: Store>(store: &S, req: &Request, upto: usize) {
+    for range in &req.ipam.ranges[..upto] {
+        if let Err(e) = release(store, range, scope(req), &req.attachment).await {
+            tracing::error!(pool = %range.pool_name, error = %e, "could not roll back a partial ADD; the audit will release it");
+        }
+    }
+}
+
+fn gateway_for(req: &Request, ip: IpAddr) -> Option<IpAddr> {
+    req.ipam.gateway.filter(|gw| gw.is_ipv4() == ip.is_ipv4())
+}
+
+fn static_addresses(req: &Request) -> Vec<IpResult> {
+    let from_config = req.ipam.addresses.iter().map(|a| IpResult {
+        address: a.address,
+        gateway: a.gateway,
+    });
+    let from_args = req.args.ips.iter().map(|net| IpResult {
+        address: *net,
+        gateway: req
+            .args
+            .gateways
+            .iter()
+            .copied()
+            .find(|gw| net.contains(gw)),
+    });
+    from_config.chain(from_args).collect()
+}
+
+fn alloc_error(e: AllocError) -> CniError {
+    match &e {
+        AllocError::Exhausted { .. } => CniError::new(code::EXHAUSTED, e.to_string()),
+        AllocError::TooManyConflicts { .. } => CniError::new(code::TRY_AGAIN_LATER, e.to_string()),
+        AllocError::Store(s) => {
+            CniError::new(code::TRY_AGAIN_LATER, format!("datastore: {s}")).with_details(s.kind())
+        }
+    }
+}
+
+/// Releases every range; a failing range does not stop the others, and any failure is reported
+/// so the runtime retries (a second DEL is harmless).
+async fn del<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
+    let mut failures = Vec::new();
+    for range in &req.ipam.ranges {
+        match release(store, range, scope(req), &req.attachment).await {
+            Ok(ips) => tracing::info!(pool = %range.pool_name, released = ?ips, "released"),
+            Err(e) => failures.push(format!("{}: {e}", range.pool_name)),
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("datastore: {}", failures.join("; ")),
+        ))
+    }
+}
+
+/// Checks that every range holds an entry for this attachment whose address is in `prevResult`.
+async fn check<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
+    let prev: Vec<IpAddr> = req
+        .conf
+        .value
+        .pointer("/prevResult/ips")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.get("address")?.as_str()?.parse::<ipnet::IpNet>().ok())
+        .map(|n| n.addr())
+        .collect();
+    let mismatch = |msg: String| CniError::new(code::CHECK_MISMATCH, msg);
+    for range in &req.ipam.ranges {
+        let pool = store
+            .get_pool(&range.pool_name)
+            .await
+            .map_err(|e| CniError::new(code::TRY_AGAIN_LATER, format!("datastore: {e}")))?;
+        let held = pool
+            .as_ref()
+            .and_then(|p| {
+                p.allocations.iter().find(|(_, e)| {
+                    e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
+                })
+            })
+            .and_then(|(o, _)| range.range.addr_at(*o));
+        match held {
+            None => {
+                return Err(mismatch(format!(
+                    "pool {} holds no address for container {} interface {}",
+                    range.pool_name, req.attachment.container_id, req.attachment.ifname
+                )));
+            }
+            Some(ip) if !prev.contains(&ip) => {
+                return Err(mismatch(format!(
+                    "pool {} holds {ip} for this attachment, prevResult has {prev:?}",
+                    range.pool_name
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// CNI 1.1 GC: releases entries of this network's pools whose attachment is not in
+/// `cni.dev/valid-attachments` *and* whose pod no longer exists. The list a runtime passes covers
+/// its own node only, so the pod check is what keeps other nodes' live pods safe.
+async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
+    let valid = valid_attachments(&req.conf.value)?;
+    let retry = |e: crate::store::StoreError| {
+        CniError::new(code::TRY_AGAIN_LATER, format!("datastore: {e}"))
+    };
+    let mut pods = None;
+    let mut released = 0;
+    for range in &req.ipam.ranges {
+        let Some(pool) = store.get_pool(&range.pool_name).await.map_err(retry)? else {
+            continue;
+        };
+        let unknown: Vec<_> = pool
+            .allocations
+            .iter()
+            .filter(|(_, e)| !valid.contains(&(e.id.clone(), e.ifname.clone())))
+            .map(|(o, e)| (*o, e.clone()))
+            .collect();
+        if unknown.is_empty() {
+            continue;
+        }
+        if pods.is_none() {
+            pods = Some(store.pod_uids().await.map_err(retry)?);
+        }
+        let pods = pods.as_ref().expect("loaded above");
+        let gone: Vec<_> = unknown
+            .into_iter()
+            .filter(|(_, e)| {
+                !pods
+                    .get(&e.podref)
+                    .is_some_and(|uid| e.poduid.is_empty() || *uid == e.poduid)
+            })
+            .collect();
+        released += release_entries(store, range, scope(req), &pool.name, &gone)
+            .await
+            .map_err(retry)?
+            .len();
+    }
+    tracing::info!(released, "gc");
+    Ok(released)
+}
+
+fn valid_attachments(conf: &Value) -> Result<HashSet<(String, String)>, CniError> {
+    let list = conf
+        .get("cni.dev/valid-attachments")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            CniError::new(
+                code::INVALID_CONFIG,
+                "GC needs cni.dev/valid-attachments in the network config",
+            )
+        })?;
+    list.iter()
+        .map(|a| {
+            let id = a.get("containerID").and_then(Value::as_str);
+            let ifname = a.get("ifname").and_then(Value::as_str);
+            match (id, ifname) {
+                (Some(id), Some(ifname)) => Ok((id.to_owned(), ifname.to_owned())),
+                _ => Err(CniError::new(
+                    code::INVALID_CONFIG,
+                    format!("cni.dev/valid-attachments entry {a} needs containerID and ifname"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// STATUS: ready when the datastore answers.
+async fn status<S: Store>(store: &S) -> Result<(), CniError> {
+    store
+        .get_pool("whereabouts-status-probe")
+        .await
+        .map(|_| ())
+        .map_err(|e| CniError::new(code::NOT_AVAILABLE, format!("datastore unreachable: {e}")))
+}
+
+/// `log_file` and `log_level` from the merged config, read before validation so that logging is
+/// set up even for an invalid config.
+pub fn logging_settings(inv: &Invocation<'_>) -> (Option<String>, Option<String>) {
+    let Ok(conf) = NetConf::parse(inv.stdin, "network config") else {
+        return (None, None);
+    };
+    let Some((_, ipam)) = conf.runtime_ipam() else {
+        return (None, None);
+    };
+    let merged = merge_flat_file(ipam, inv).unwrap_or_else(|_| ipam.clone());
+    let text = |k: &str| {
+        merged
+            .get(k)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+    };
+    (text("log_file"), text("log_level"))
+}

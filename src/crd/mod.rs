@@ -1,0 +1,186 @@
+//! Wire types of the stored objects, byte-compatible with upstream whereabouts.
+//!
+//! Field names and omission rules follow the upstream Go types (`ifname` and `containerid` are
+//! omitted when empty). `poduid` is our addition: an optional field recording `K8S_POD_UID`, so the
+//! operator never confuses two pods of one name. Upstream ignores it; an upstream CRD would prune it,
+//! which is why the CRDs in `crds/` (generated from these types) carry it.
+
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub const GROUP: &str = "whereabouts.cni.cncf.io";
+
+/// One allocated address of a pool, keyed in the pool by its decimal offset.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct IPAllocation {
+    /// Container ID of the attachment.
+    pub id: String,
+    /// `<namespace>/<pod name>`.
+    pub podref: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ifname: String,
+    /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub poduid: String,
+    /// Upstream's IPAMClaim owner; kept so our writes never drop it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ipamclaimref: String,
+}
+
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "whereabouts.cni.cncf.io",
+    version = "v1alpha1",
+    kind = "IPPool",
+    plural = "ippools",
+    namespaced,
+    doc = "The allocations of one range in one network.",
+    printcolumn = r#"{"name":"Range","type":"string","jsonPath":".spec.range"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct IPPoolSpec {
+    /// The range in CIDR notation, network address first (`192.168.2.0/24`).
+    pub range: String,
+    /// Allocated addresses keyed by their decimal offset from the network address.
+    #[serde(default)]
+    pub allocations: BTreeMap<String, IPAllocation>,
+}
+
+#[derive(
+    CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
+)]
+#[kube(
+    group = "whereabouts.cni.cncf.io",
+    version = "v1alpha1",
+    kind = "OverlappingRangeIPReservation",
+    plural = "overlappingrangeipreservations",
+    namespaced,
+    doc = "A cluster-wide claim on one address of a network, so that overlapping ranges never hand it out twice.",
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podref"}"#,
+    printcolumn = r#"{"name":"Interface","type":"string","jsonPath":".spec.ifname"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct OverlappingRangeIPReservationSpec {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub containerid: String,
+    pub podref: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ifname: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub poduid: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ipamclaimref: String,
+}
+
+#[derive(
+    CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
+)]
+#[kube(
+    group = "whereabouts.cni.cncf.io",
+    version = "v1alpha1",
+    kind = "NodeSlicePool",
+    plural = "nodeslicepools",
+    namespaced,
+    status = "NodeSlicePoolStatus",
+    doc = "Per-node slices of a range (upstream's fast IPAM); stored for compatibility.",
+    printcolumn = r#"{"name":"Range","type":"string","jsonPath":".spec.range"}"#,
+    printcolumn = r#"{"name":"Slice","type":"string","jsonPath":".spec.sliceSize"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct NodeSlicePoolSpec {
+    pub range: String,
+    #[serde(rename = "sliceSize")]
+    pub slice_size: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct NodeSlicePoolStatus {
+    #[serde(default)]
+    pub allocations: Vec<NodeSliceAllocation>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct NodeSliceAllocation {
+    #[serde(rename = "nodeName")]
+    pub node_name: String,
+    #[serde(rename = "sliceRange")]
+    pub slice_range: String,
+}
+
+/// The Multus NetworkAttachmentDefinition; `spec.config` is the network config as a JSON string.
+#[derive(
+    CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
+)]
+#[kube(
+    group = "k8s.cni.cncf.io",
+    version = "v1",
+    kind = "NetworkAttachmentDefinition",
+    plural = "network-attachment-definitions",
+    shortname = "net-attach-def",
+    namespaced,
+    doc = "A secondary network a pod can attach to (Multus)."
+)]
+pub struct NetworkAttachmentDefinitionSpec {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub config: String,
+}
+
+/// Every CRD this project ships, in the order `crds/` lists them.
+pub fn all() -> Vec<(
+    &'static str,
+    k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+)> {
+    use kube::CustomResourceExt;
+    vec![
+        ("ippools.yaml", IPPool::crd()),
+        (
+            "overlappingrangeipreservations.yaml",
+            OverlappingRangeIPReservation::crd(),
+        ),
+        ("nodeslicepools.yaml", NodeSlicePool::crd()),
+        (
+            "network-attachment-definitions.yaml",
+            NetworkAttachmentDefinition::crd(),
+        ),
+    ]
+}
+
+/// The YAML text of a CRD as checked in under `crds/`.
+pub fn to_yaml(
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> String {
+    format!(
+        "# Generated by `whereabouts-operator crds`; do not edit.\n{}",
+        serde_yaml::to_string(crd).expect("CRDs serialise")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn upstream_pool_reads_and_writes_back_identically() {
+        let upstream = json!({"range": "192.168.2.0/24", "allocations": {"5": {"id": "abc", "podref": "ns/p", "ifname": "net1"}, "18446744073709551620": {"id": "x", "podref": "ns/q"}}});
+        let spec: IPPoolSpec = serde_json::from_value(upstream.clone()).unwrap();
+        assert_eq!(spec.allocations["5"].ifname, "net1");
+        assert_eq!(serde_json::to_value(&spec).unwrap(), upstream);
+    }
+
+    #[test]
+    fn generated_crds_match_the_checked_in_files() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crds");
+        for (file, crd) in all() {
+            let on_disk = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+            assert_eq!(
+                on_disk,
+                to_yaml(&crd),
+                "crds/{file} drifted from the Rust types: run `make crds`"
+            );
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The Kubernetes [`Store`]: IPPools and OverlappingRangeIPReservations in the pool namespace.
+//!
+//! Pool entries are written with JSON Patch. Its `test` operations run inside the API server's own
+//! read-modify-write, so a patch that adds key `K` after testing that `K` is absent is an atomic
+//! claim of that key: writers of different keys never conflict and never re-read the pool, which
+//! is what keeps many concurrent ADDs on one pool linear instead of quadratic (docs/benchmarks.md).
+//! A failed test answers 422; that is a lost condition, not an error.
+
+use std::collections::HashMap;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::{Client, core::ObjectMeta};
+use serde_json::{Value, json};
+
+use super::{Pool, Precondition, Reservation, Result, Store, StoreError, Write};
+use crate::crd::{
+    IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
+    OverlappingRangeIPReservationSpec,
+};
+
+#[derive(Clone)]
+pub struct KubeStore {
+    pools: Api<IPPool>,
+    reservations: Api<OverlappingRangeIPReservation>,
+    pods: Api<Pod>,
+}
+
+impl KubeStore {
+    pub fn new(client: Client, namespace: &str) -> Self {
+        KubeStore {
+            pools: Api::namespaced(client.clone(), namespace),
+            reservations: Api::namespaced(client.clone(), namespace),
+            pods: Api::all(client),
+        }
+    }
+
+    async fn patch_pool(&self, pool: &str, ops: Value) -> Result<Write> {
+        let patch: json_patch::Patch =
+            serde_json::from_value(ops).expect("patch operations are well-formed");
+        match self
+            .pools
+            .patch(pool, &PatchParams::default(), &Patch::Json::<()>(patch))
+            .await
+        {
+            Ok(_) => Ok(Write::Done),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(Write::Missing),
+                // A failed `test`, or (a pool stored with `allocations: null`) a missing parent.
+                Some(422) | Some(409) => Ok(Write::Conflict),
+                _ => Err(error("patch", format!("ippool {pool}"), e)),
+            },
+        }
+    }
+}
+
+fn api_code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
+    match e {
+        kube::Error::Api(status) => StoreError::Api {
+            op,
+            object,
+            code: status.code,
+            message: status.message.clone(),
+        },
+        kube::Error::SerdeError(e) => StoreError::Malformed {
+            op,
+            object,
+            message: e.to_string(),
+        },
+        other => StoreError::Transport {
+            op,
+            object,
+            source: Box::new(other),
+        },
+    }
+}
+
+fn entry_path(offset: u128) -> String {
+    format!("/spec/allocations/{offset}")
+}
+
+/// `test` operations that hold while the entry still belongs to `expected`'s container and pod.
+fn owner_tests(offset: u128, expected: &IPAllocation) -> [Value; 2] {
+    let path = entry_path(offset);
+    [
+        json!({"op": "test", "path": format!("{path}/id"), "value": expected.id}),
+        json!({"op": "test", "path": format!("{path}/podref"), "value": expected.podref}),
+    ]
+}
+
+impl Store for KubeStore {
+    async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
+        let found = self
+            .pools
+            .get_opt(name)
+            .await
+            .map_err(|e| error("get", format!("ippool {name}"), e))?;
+        Ok(found.map(|p| {
+            let rv = p.metadata.resource_version.unwrap_or_default();
+            let (pool, unparsed) = Pool::from_stored(name.to_owned(), p.spec.range, p.spec.allocations, rv);
+            if !unparsed.is_empty() {
+                tracing::warn!(pool = name, keys = ?unparsed, "ignoring allocation keys that are not decimal offsets");
+            }
+            pool
+        }))
+    }
+
+    async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
+        let pool = IPPool {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..Default::default()
+            },
+            spec: IPPoolSpec {
+                range: range.to_owned(),
+                allocations: Default::default(),
+            },
+        };
+        match self.pools.create(&PostParams::default(), &pool).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
+            Err(e) => Err(error("create", format!("ippool {name}"), e)),
+        }
+    }
+
+    async fn add_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        entry: &IPAllocation,
+        pre: &Precondition,
+    ) -> Result<Write> {
+        let test = match pre {
+            // evanphx/json-patch, which the API server uses, passes a `test` of null on a missing key.
+            Precondition::KeyAbsent => {
+                json!({"op": "test", "path": entry_path(offset), "value": null})
+            }
+            Precondition::ResourceVersion(rv) => {
+                json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})
+            }
+        };
+        let add = json!({"op": "add", "path": entry_path(offset), "value": entry});
+        self.patch_pool(pool, json!([test, add])).await
+    }
+
+    async fn replace_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        expected: &IPAllocation,
+        entry: &IPAllocation,
+    ) -> Result<Write> {
+        let [a, b] = owner_tests(offset, expected);
+        self.patch_pool(
+            pool,
+            json!([a, b, {"op": "replace", "path": entry_path(offset), "value": entry}]),
+        )
+        .await
+    }
+
+    async fn remove_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        expected: &IPAllocation,
+    ) -> Result<Write> {
+        let [a, b] = owner_tests(offset, expected);
+        self.patch_pool(
+            pool,
+            json!([a, b, {"op": "remove", "path": entry_path(offset)}]),
+        )
+        .await
+    }
+
+    async fn create_reservation(
+        &self,
+        name: &str,
+        spec: &OverlappingRangeIPReservationSpec,
+    ) -> Result<(Write, String)> {
+        let obj = OverlappingRangeIPReservation {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..Default::default()
+            },
+            spec: spec.clone(),
+        };
+        match self.reservations.create(&PostParams::default(), &obj).await {
+            Ok(created) => Ok((Write::Done, created.metadata.uid.unwrap_or_default())),
+            Err(e) if api_code(&e) == Some(409) => Ok((Write::Conflict, String::new())),
+            Err(e) => Err(error(
+                "create",
+                format!("overlappingrangeipreservation {name}"),
+                e,
+            )),
+        }
+    }
+
+    async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
+        let found = self
+            .reservations
+            .get_opt(name)
+            .await
+            .map_err(|e| error("get", format!("overlappingrangeipreservation {name}"), e))?;
+        Ok(found.map(|r| Reservation {
+            name: name.to_owned(),
+            uid: r.metadata.uid.unwrap_or_default(),
+            created: r.metadata.creation_timestamp.map(|t| t.0.as_second()),
+            spec: r.spec,
+        }))
+    }
+
+    async fn delete_reservation(&self, name: &str, uid: &str) -> Result<Write> {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        match self.reservations.delete(name, &params).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(Write::Missing),
+                Some(409) => Ok(Write::Conflict),
+                _ => Err(error(
+                    "delete",
+                    format!("overlappingrangeipreservation {name}"),
+                    e,
+                )),
+            },
+        }
+    }
+
+    async fn pod_uids(&self) -> Result<HashMap<String, String>> {
+        let list = self
+            .pods
+            .list_metadata(&ListParams::default())
+            .await
+            .map_err(|e| error("list", "pods".into(), e))?;
+        Ok(list
+            .items
+            .into_iter()
+            .map(|p| {
+                (
+                    format!(
+                        "{}/{}",
+                        p.metadata.namespace.unwrap_or_default(),
+                        p.metadata.name.unwrap_or_default()
+                    ),
+                    p.metadata.uid.unwrap_or_default(),
+                )
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,191 @@
+//! The datastore seen by the CNI plugin and the operator: pools, their entries, and reservations.
+//!
+//! Every write is conditional, so no lock is needed:
+//! - a pool entry is added only if its key is still absent (or, for the benchmark baseline, only if
+//!   the whole pool is unchanged since it was read: [`Precondition::ResourceVersion`]);
+//! - an entry is replaced or removed only if it still holds the container and pod we expect;
+//! - a reservation is created only if no reservation of that address exists, and deleted only if it
+//!   is still the object we looked at (UID precondition).
+//!
+//! A lost condition comes back as [`Write::Conflict`], never as an error: the caller decides.
+
+pub mod kube;
+pub mod memory;
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+
+use thiserror::Error;
+
+use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+
+/// A pool as read, with its allocations keyed by numeric offset.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Pool {
+    pub name: String,
+    pub range: String,
+    pub allocations: BTreeMap<u128, IPAllocation>,
+    pub resource_version: String,
+}
+
+impl Pool {
+    /// Parses the stored keys. Keys that are not decimal offsets are kept out of the map (and so
+    /// never touched) but reported, since they may be a newer upstream format.
+    pub fn from_stored(
+        name: String,
+        range: String,
+        stored: BTreeMap<String, IPAllocation>,
+        resource_version: String,
+    ) -> (Pool, Vec<String>) {
+        let mut allocations = BTreeMap::new();
+        let mut unparsed = Vec::new();
+        for (key, entry) in stored {
+            match key.parse::<u128>() {
+                Ok(offset) => {
+                    allocations.insert(offset, entry);
+                }
+                Err(_) => unparsed.push(key),
+            }
+        }
+        (
+            Pool {
+                name,
+                range,
+                allocations,
+                resource_version,
+            },
+            unparsed,
+        )
+    }
+
+    /// The entry of an attachment, by pod and interface: the idempotency key of ADD.
+    pub fn entry_of(&self, podref: &str, ifname: &str) -> Option<(u128, &IPAllocation)> {
+        self.allocations
+            .iter()
+            .find(|(_, e)| e.podref == podref && e.ifname == ifname)
+            .map(|(o, e)| (*o, e))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Precondition {
+    /// The entry's key must still be absent: concurrent claims of other addresses never conflict.
+    KeyAbsent,
+    /// The pool must be unchanged since it was read (upstream's model; kept for the benchmark).
+    ResourceVersion(String),
+}
+
+/// The outcome of a conditional write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    Done,
+    /// The condition did not hold (the key is taken, the entry changed, the object exists).
+    Conflict,
+    /// The object is not there.
+    Missing,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub name: String,
+    pub uid: String,
+    pub spec: OverlappingRangeIPReservationSpec,
+    /// Creation time in seconds since the epoch, when known.
+    pub created: Option<i64>,
+}
+
+impl Reservation {
+    /// True when the reservation was made in the last few seconds: it was won in a race that is
+    /// probably still going on, rather than held steadily by a pod of an overlapping range.
+    pub fn is_recent(&self) -> bool {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0);
+        self.created.is_some_and(|c| now - c < 10)
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("{op} {object}: {message}")]
+    Api {
+        op: &'static str,
+        object: String,
+        code: u16,
+        message: String,
+    },
+    #[error("{op} {object}: {source}")]
+    Transport {
+        op: &'static str,
+        object: String,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("{op} {object}: stored data is malformed: {message}")]
+    Malformed {
+        op: &'static str,
+        object: String,
+        message: String,
+    },
+}
+
+impl StoreError {
+    /// A short stable label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Api { code, .. } if *code == 403 || *code == 401 => "forbidden",
+            StoreError::Api { .. } => "api",
+            StoreError::Transport { .. } => "transport",
+            StoreError::Malformed { .. } => "malformed",
+        }
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Storage operations, each one request. Implemented for Kubernetes and in memory.
+pub trait Store: Send + Sync {
+    fn get_pool(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
+    /// Creates an empty pool; `Conflict` when it already exists.
+    fn create_pool(&self, name: &str, range: &str) -> impl Future<Output = Result<Write>> + Send;
+    fn add_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        entry: &IPAllocation,
+        pre: &Precondition,
+    ) -> impl Future<Output = Result<Write>> + Send;
+    /// Replaces the entry at `offset` if it still holds `expected`'s container and pod.
+    fn replace_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        expected: &IPAllocation,
+        entry: &IPAllocation,
+    ) -> impl Future<Output = Result<Write>> + Send;
+    /// Removes the entry at `offset` if it still holds `expected`'s container and pod.
+    fn remove_allocation(
+        &self,
+        pool: &str,
+        offset: u128,
+        expected: &IPAllocation,
+    ) -> impl Future<Output = Result<Write>> + Send;
+    /// Creates a reservation; `Conflict` when one exists. Returns the new object's UID on success.
+    fn create_reservation(
+        &self,
+        name: &str,
+        spec: &OverlappingRangeIPReservationSpec,
+    ) -> impl Future<Output = Result<(Write, String)>> + Send;
+    fn get_reservation(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<Reservation>>> + Send;
+    /// Deletes a reservation if it is still the object with `uid`.
+    fn delete_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+    ) -> impl Future<Output = Result<Write>> + Send;
+    /// UIDs of all pods by `<namespace>/<name>` (one LIST of metadata; used by GC only).
+    fn pod_uids(&self) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
+}

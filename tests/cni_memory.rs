@@ -1,0 +1,433 @@
+//! The CNI handlers over the in-memory store: the allocation rules without a cluster.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use whereabouts::cni::protocol::{CniError, Command, code};
+use whereabouts::cni::{Invocation, Request, handle, load};
+use whereabouts::crd::IPAllocation;
+use whereabouts::store::Store;
+use whereabouts::store::memory::MemoryStore;
+
+fn request(command: Command, ipam: Value, container: &str, pod: &str) -> Result<Request, CniError> {
+    let conf = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan", "ipam": ipam});
+    request_conf(command, conf, container, pod)
+}
+
+fn request_conf(
+    command: Command,
+    conf: Value,
+    container: &str,
+    pod: &str,
+) -> Result<Request, CniError> {
+    let stdin = conf.to_string();
+    let vars: HashMap<&str, String> = HashMap::from([
+        ("CNI_CONTAINERID", container.to_owned()),
+        ("CNI_IFNAME", "net1".to_owned()),
+        (
+            "CNI_ARGS",
+            format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}"
+            ),
+        ),
+    ]);
+    let env = move |k: &str| vars.get(k).cloned();
+    load(
+        command,
+        &Invocation {
+            env: &env,
+            stdin: &stdin,
+            flat_file_paths: Some(vec![]),
+        },
+    )
+}
+
+async fn run(
+    store: &MemoryStore,
+    command: Command,
+    ipam: &Value,
+    container: &str,
+    pod: &str,
+) -> Result<Option<Value>, CniError> {
+    handle(store, &request(command, ipam.clone(), container, pod)?).await
+}
+
+fn addresses(result: &Value) -> Vec<String> {
+    result["ips"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|ip| ip["address"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn dual() -> Value {
+    json!({"type": "whereabouts", "range": "12.12.12.12/24", "gateway": "12.12.12.1", "ipRanges": [
+        {"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"},
+        {"range": "2001::1/64", "range_start": "2001::16", "range_end": "2001::64"}],
+        "addresses": [{"address": "192.168.9.5/24"}]})
+}
+
+#[tokio::test]
+async fn add_gives_one_address_per_range_in_order_then_static() {
+    let store = MemoryStore::new();
+    let out = run(&store, Command::Add, &dual(), "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        addresses(&out),
+        [
+            "12.12.12.1/24",
+            "10.10.10.20/24",
+            "2001::16/64",
+            "192.168.9.5/24"
+        ]
+    );
+    assert_eq!(out["ips"][0]["gateway"], "12.12.12.1");
+    assert!(
+        out["ips"][2].get("gateway").is_none(),
+        "an IPv4 gateway is not put on an IPv6 address"
+    );
+    let out2 = run(&store, Command::Add, &dual(), "c2", "p2")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        addresses(&out2)[..3],
+        ["12.12.12.2/24", "10.10.10.21/24", "2001::17/64"]
+    );
+    let pool = store.get_pool("2001---64").await.unwrap().unwrap();
+    assert_eq!(pool.allocations[&0x16].podref, "ns/p1");
+    assert_eq!(pool.allocations[&0x16].poduid, "uid-p1");
+    assert_eq!(store.reservation_names().len(), 6);
+    assert!(store.reservation_names().contains(&"2001--16".to_owned()));
+}
+
+#[tokio::test]
+async fn add_is_idempotent_and_refreshes_the_container() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let a = run(&store, Command::Add, &ipam, "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    let b = run(&store, Command::Add, &ipam, "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(addresses(&a), addresses(&b));
+    // Same pod name, new container (StatefulSet replacement): same address, new container id.
+    let c = run(&store, Command::Add, &ipam, "c9", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(addresses(&a), addresses(&c));
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len(), 1);
+    assert_eq!(pool.allocations[&1].id, "c9");
+    // The old container's DEL must not free the address now bound to c9.
+    run(&store, Command::Del, &ipam, "c1", "p1").await.unwrap();
+    assert_eq!(
+        store
+            .get_pool("10.0.0.0-24")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .len(),
+        1
+    );
+    assert_eq!(store.reservation_names(), ["10.0.0.1"]);
+    run(&store, Command::Del, &ipam, "c9", "p1").await.unwrap();
+    assert!(
+        store
+            .get_pool("10.0.0.0-24")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .is_empty()
+    );
+    assert!(store.reservation_names().is_empty());
+    // DEL again is harmless.
+    run(&store, Command::Del, &ipam, "c9", "p1").await.unwrap();
+}
+
+#[tokio::test]
+async fn concurrent_adds_never_duplicate() {
+    let store = Arc::new(MemoryStore::new());
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let (store, ipam) = (store.clone(), ipam.clone());
+        tasks.push(tokio::spawn(async move {
+            run(
+                &store,
+                Command::Add,
+                &ipam,
+                &format!("c{i}"),
+                &format!("p{i}"),
+            )
+            .await
+            .unwrap()
+            .unwrap()
+        }));
+    }
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        assert!(seen.insert(addresses(&t.await.unwrap())[0].clone()));
+    }
+    assert_eq!(seen.len(), 100);
+    assert_eq!(
+        store
+            .get_pool("10.0.0.0-24")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .len(),
+        100
+    );
+}
+
+#[tokio::test]
+async fn overlapping_pools_share_addresses_through_reservations() {
+    let store = MemoryStore::new();
+    let a = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let b = json!({"type": "whereabouts", "range": "10.0.0.0/25"});
+    let x = run(&store, Command::Add, &a, "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    store.age_reservations(60);
+    let y = run(&store, Command::Add, &b, "c2", "p2")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(addresses(&x), ["10.0.0.1/24"]);
+    assert_eq!(addresses(&y), ["10.0.0.2/25"]);
+    // Without overlap protection the second pool knows nothing of the first.
+    let c =
+        json!({"type": "whereabouts", "range": "10.0.0.0/26", "enable_overlapping_ranges": false});
+    assert_eq!(
+        addresses(
+            &run(&store, Command::Add, &c, "c3", "p3")
+                .await
+                .unwrap()
+                .unwrap()
+        ),
+        ["10.0.0.1/26"]
+    );
+}
+
+#[tokio::test]
+async fn an_entry_written_by_another_writer_is_respected() {
+    let store = MemoryStore::new();
+    // An upstream plugin took .1 without a reservation.
+    store.put_entry(
+        "10.0.0.0-24",
+        "10.0.0.0/24",
+        1,
+        IPAllocation {
+            id: "up".into(),
+            podref: "ns/up".into(),
+            ..Default::default()
+        },
+    );
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    assert_eq!(
+        addresses(
+            &run(&store, Command::Add, &ipam, "c1", "p1")
+                .await
+                .unwrap()
+                .unwrap()
+        ),
+        ["10.0.0.2/24"]
+    );
+}
+
+#[tokio::test]
+async fn exhaustion_names_the_range_and_rolls_back_earlier_ranges() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/30", "exclude": ["10.0.1.2/32"]}]});
+    run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    let e = run(&store, Command::Add, &ipam, "c2", "p2")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, code::EXHAUSTED);
+    assert_eq!(
+        e.msg,
+        "no free address in range 10.0.1.0/30 (window 10.0.1.1 to 10.0.1.2, exclude 10.0.1.2/32): all 1 addresses are allocated"
+    );
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(
+        pool.allocations.len(),
+        1,
+        "the first range's address of the failed ADD was released"
+    );
+    assert_eq!(store.reservation_names().len(), 2);
+}
+
+#[tokio::test]
+async fn datastore_failures_are_reported_for_retry() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    *store.fail.lock().unwrap() = Some("etcd is down".into());
+    let e = run(&store, Command::Del, &ipam, "c1", "p1")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, code::TRY_AGAIN_LATER);
+    assert!(e.msg.contains("etcd is down"), "{}", e.msg);
+    let e = run(&store, Command::Status, &ipam, "", "")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, code::NOT_AVAILABLE);
+}
+
+#[tokio::test]
+async fn del_processes_every_range_even_when_one_has_no_entry() {
+    let store = MemoryStore::new();
+    let one = json!({"type": "whereabouts", "ipRanges": [{"range": "10.0.1.0/24"}]});
+    let two = json!({"type": "whereabouts", "ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/24"}]});
+    run(&store, Command::Add, &one, "c1", "p1").await.unwrap();
+    run(&store, Command::Del, &two, "c1", "p1").await.unwrap();
+    assert!(
+        store
+            .get_pool("10.0.1.0-24")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn check_compares_with_prev_result() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let out = run(&store, Command::Add, &ipam, "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    let conf = |prev: Value| json!({"cniVersion": "1.0.0", "name": "net", "ipam": ipam, "prevResult": prev});
+    assert!(
+        handle(
+            &store,
+            &request_conf(Command::Check, conf(out.clone()), "c1", "p1").unwrap()
+        )
+        .await
+        .is_ok()
+    );
+    let wrong = json!({"ips": [{"address": "10.0.0.99/24"}]});
+    assert_eq!(
+        handle(
+            &store,
+            &request_conf(Command::Check, conf(wrong), "c1", "p1").unwrap()
+        )
+        .await
+        .unwrap_err()
+        .code,
+        code::CHECK_MISMATCH
+    );
+    assert!(
+        handle(
+            &store,
+            &request_conf(Command::Check, conf(out), "c2", "p2").unwrap()
+        )
+        .await
+        .is_err()
+    );
+}
+
+#[tokio::test]
+async fn gc_releases_only_unknown_attachments_of_gone_pods() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    for i in 1..=3 {
+        run(
+            &store,
+            Command::Add,
+            &ipam,
+            &format!("c{i}"),
+            &format!("p{i}"),
+        )
+        .await
+        .unwrap();
+    }
+    store.set_pod("ns/p2", "uid-p2"); // alive, on another node: not in this runtime's list
+    store.set_pod("ns/p3", "uid-other"); // same name, a newer pod: p3's entry is stale
+    let conf = json!({"cniVersion": "1.1.0", "name": "net", "ipam": ipam, "cni.dev/valid-attachments": [{"containerID": "c1", "ifname": "net1"}]});
+    handle(&store, &request_conf(Command::Gc, conf, "", "").unwrap())
+        .await
+        .unwrap();
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    let left: Vec<_> = pool.allocations.values().map(|e| e.id.as_str()).collect();
+    assert_eq!(left, ["c1", "c2"]);
+    assert_eq!(store.reservation_names(), ["10.0.0.1", "10.0.0.2"]);
+    let bad = json!({"cniVersion": "1.1.0", "name": "net", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
+    assert_eq!(
+        handle(&store, &request_conf(Command::Gc, bad, "", "").unwrap())
+            .await
+            .unwrap_err()
+            .code,
+        code::INVALID_CONFIG
+    );
+}
+
+#[test]
+fn invalid_inputs_are_cni_errors() {
+    let e = request(
+        Command::Add,
+        json!({"type": "whereabouts", "range": "abc.169.1.0/24"}),
+        "c",
+        "p",
+    )
+    .unwrap_err();
+    assert_eq!(e.code, code::INVALID_CONFIG);
+    assert_eq!(
+        e.msg,
+        r#"invalid whereabouts config: ipam.range "abc.169.1.0/24" is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"#
+    );
+    let e = request_conf(Command::Add, json!({"cniVersion": "0.2.0", "name": "n", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}}), "c", "p").unwrap_err();
+    assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+    let e = request(
+        Command::Add,
+        json!({"type": "whereabouts", "range": "10.0.0.0/24"}),
+        "",
+        "p",
+    )
+    .unwrap_err();
+    assert_eq!(
+        (e.code, e.msg.as_str()),
+        (code::INVALID_ENV, "CNI_CONTAINERID is not set")
+    );
+    let e = request(
+        Command::Add,
+        json!({"type": "whereabouts", "range": "10.0.0.0/24"}),
+        "c",
+        "",
+    )
+    .unwrap_err();
+    assert_eq!(e.code, code::INVALID_ENV);
+}
+
+#[tokio::test]
+async fn legacy_result_versions() {
+    let store = MemoryStore::new();
+    for v in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
+        let conf = json!({"cniVersion": v, "name": "n", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
+        let out = handle(
+            &store,
+            &request_conf(Command::Add, conf, &format!("c{v}"), &format!("p{v}")).unwrap(),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(out["cniVersion"], v);
+        assert_eq!(out["ips"][0].get("version").is_some(), v.starts_with("0."));
+    }
+}
