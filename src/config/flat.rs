@@ -28,9 +28,12 @@ pub fn candidates(configuration_path: Option<&str>) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A flat file found on disk: where, and its ipam object.
+pub type FlatFile = (PathBuf, Map<String, Value>);
+
 /// Reads the first flat file that exists. A file that exists but cannot be read or parsed is an
 /// error: silently ignoring it would lose the kubeconfig and fail later with a vaguer message.
-pub fn load(candidates: &[PathBuf]) -> Result<Option<(PathBuf, Map<String, Value>)>, Problem> {
+pub fn load(candidates: &[PathBuf]) -> Result<Option<FlatFile>, Problem> {
     for path in candidates {
         match std::fs::read_to_string(path) {
             Ok(text) => return parse(path, &text).map(|m| Some((path.clone(), m))),

@@ -465,15 +465,15 @@ fn read_routes(r: &mut Reader<'_>) -> Vec<Value> {
             ));
             continue;
         }
-        if let Some(gw) = v.get("gw").filter(|g| !g.is_null()) {
-            if gw.as_str().and_then(parse_ip).is_none() {
-                r.errors.push(Problem::with_value(
-                    format!("{path}.gw"),
-                    gw,
-                    "is not an IP address",
-                ));
-                continue;
-            }
+        if let Some(gw) = v.get("gw").filter(|g| !g.is_null())
+            && gw.as_str().and_then(parse_ip).is_none()
+        {
+            r.errors.push(Problem::with_value(
+                format!("{path}.gw"),
+                gw,
+                "is not an IP address",
+            ));
+            continue;
         }
         routes.push(v.clone());
     }
