@@ -1,0 +1,32 @@
+# One task file for people and CI. `make test` is the README's test command; .ci/run calls it.
+.PHONY: test check unit e2e crds deps build release demo
+
+CARGO ?= cargo
+
+test: check unit e2e
+
+# Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
+check:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test
+
+# The end-to-end tier: real binaries against the real local control plane.
+e2e:
+	e2e/run-tests.sh
+
+crds:
+	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
+
+build:
+	$(CARGO) build --bins
+
+release:
+	$(CARGO) build --release --bins
+
+# Everything a fresh Debian machine needs for `make test` (apt packages, Go modules, Rust components).
+deps:
+	e2e/install-deps.sh
+	rustup component add clippy rustfmt

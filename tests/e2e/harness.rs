@@ -1,0 +1,206 @@
+//! The e2e harness: the local control plane, namespaces, kubectl, and our binaries run as a
+//! runtime would run them.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn kubectl_bin() -> PathBuf {
+    repo().join("e2e/bin/kubectl")
+}
+
+/// The admin kubeconfig of the local control plane, started (or reused) once per test process,
+/// with our CRDs applied.
+pub fn admin_kubeconfig() -> &'static Path {
+    static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
+    KUBECONFIG.get_or_init(|| {
+        let out = Command::new(repo().join("e2e/cluster.sh")).arg("up").stderr(Stdio::inherit()).output().expect("run e2e/cluster.sh up");
+        assert!(out.status.success(), "e2e/cluster.sh up failed");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let path = PathBuf::from(stdout.lines().last().expect("cluster.sh up prints the kubeconfig path").trim());
+        let apply = kubectl_raw(&path, &["apply", "-f", repo().join("crds").to_str().unwrap()], None);
+        assert!(apply.status.success(), "applying crds/: {}", String::from_utf8_lossy(&apply.stderr));
+        for crd in ["ippools.whereabouts.cni.cncf.io", "overlappingrangeipreservations.whereabouts.cni.cncf.io", "network-attachment-definitions.k8s.cni.cncf.io"] {
+            let wait = kubectl_raw(&path, &["wait", "--for=condition=Established", "--timeout=30s", &format!("crd/{crd}")], None);
+            assert!(wait.status.success(), "CRD {crd} not established");
+        }
+        path
+    })
+}
+
+pub fn kubectl_raw(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    let mut cmd = Command::new(kubectl_bin());
+    cmd.arg("--kubeconfig").arg(kubeconfig).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn kubectl");
+    child.stdin.take().unwrap().write_all(stdin.unwrap_or_default().as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// A fresh namespace for one test. Pools live in it too: the test's kubeconfig (the one the CNI
+/// plugin gets through its flat file) has it as the context namespace, as a node's would.
+pub struct Ns {
+    pub name: String,
+    pub kubeconfig: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl Ns {
+    pub fn new(prefix: &str) -> Ns {
+        let admin = admin_kubeconfig();
+        let name = format!("e2e-{prefix}-{}", fastrand::u32(..).to_string().get(..6).unwrap_or("0"));
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        std::fs::copy(admin, &kubeconfig).unwrap();
+        let ns = Ns { name: name.clone(), kubeconfig, dir };
+        ns.kubectl_ok(&["create", "namespace", &name]);
+        ns.kubectl_ok(&["config", "set-context", "--current", "--namespace", &name]);
+        // Pods need the `default` ServiceAccount; do not wait for the controller manager to make it.
+        let _ = ns.kubectl(&["create", "serviceaccount", "default"], None);
+        std::fs::write(ns.flat_file(), serde_json::json!({"kubernetes": {"kubeconfig": ns.kubeconfig}}).to_string()).unwrap();
+        ns
+    }
+
+    /// The node's flat file for this namespace: points the plugin at the test kubeconfig.
+    pub fn flat_file(&self) -> PathBuf {
+        self.dir.path().join("whereabouts.conf")
+    }
+
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        kubectl_raw(&self.kubeconfig, args, stdin)
+    }
+
+    pub fn kubectl_ok(&self, args: &[&str]) -> String {
+        let out = self.kubectl(args, None);
+        assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    pub fn apply(&self, yaml: &str) -> Output {
+        self.kubectl(&["apply", "-f", "-"], Some(yaml))
+    }
+
+    pub fn get_json(&self, args: &[&str]) -> Option<Value> {
+        let mut all = vec!["get"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["-o", "json"]);
+        let out = self.kubectl(&all, None);
+        out.status.success().then(|| serde_json::from_slice(&out.stdout).unwrap())
+    }
+
+    /// A pool's allocations, offset -> entry (empty when the pool does not exist).
+    pub fn allocations(&self, pool: &str) -> BTreeMap<String, Value> {
+        self.get_json(&["ippool", pool])
+            .and_then(|p| p["spec"]["allocations"].as_object().cloned())
+            .map(|m| m.into_iter().collect())
+            .unwrap_or_default()
+    }
+
+    pub fn reservations(&self) -> BTreeMap<String, Value> {
+        let list = self.get_json(&["overlappingrangeipreservations"]).unwrap();
+        list["items"].as_array().unwrap().iter().map(|r| (r["metadata"]["name"].as_str().unwrap().to_owned(), r["spec"].clone())).collect()
+    }
+
+    /// Creates a Pod (it stays Pending: there is no scheduler) and returns its UID.
+    pub fn create_pod(&self, name: &str, annotations: &BTreeMap<String, String>) -> String {
+        let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": self.name, "annotations": annotations},
+            "spec": {"automountServiceAccountToken": false, "containers": [{"name": "c", "image": "registry.invalid/pause"}]}});
+        let out = self.kubectl(&["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"], Some(&pod.to_string()));
+        assert!(out.status.success(), "create pod {name}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// A network config for our plugin whose flat file points at this namespace's kubeconfig.
+    pub fn netconf(&self, cni_version: &str, mut ipam: Value) -> Value {
+        ipam["type"] = "whereabouts".into();
+        ipam["configuration_path"] = self.flat_file().to_str().unwrap().into();
+        serde_json::json!({"cniVersion": cni_version, "name": "e2e-net", "type": "bridge", "ipam": ipam})
+    }
+
+    /// Runs the CNI binary as a runtime would for pod `pod` of this namespace.
+    pub fn cni(&self, command: &str, conf: &Value, container: &str, ifname: &str, pod: &str, uid: &str) -> Cni {
+        Cni::run(&CniCall { command, conf, container, ifname, netns: "/var/run/netns/none", args: &format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID={uid}", self.name), path: None })
+    }
+
+    pub fn cni_spawn(&self, command: &str, conf: &Value, container: &str, pod: &str) -> std::process::Child {
+        CniCall { command, conf, container, ifname: "net1", netns: "/var/run/netns/none", args: &format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}", self.name), path: None }.spawn(whereabouts_bin())
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = kubectl_raw(admin_kubeconfig(), &["delete", "namespace", &self.name, "--wait=false"], None);
+    }
+}
+
+pub fn whereabouts_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_whereabouts"))
+}
+
+pub struct CniCall<'a> {
+    pub command: &'a str,
+    pub conf: &'a Value,
+    pub container: &'a str,
+    pub ifname: &'a str,
+    pub netns: &'a str,
+    pub args: &'a str,
+    /// CNI_PATH, for plugins that call us as their IPAM.
+    pub path: Option<&'a Path>,
+}
+
+impl CniCall<'_> {
+    pub fn spawn(&self, bin: PathBuf) -> std::process::Child {
+        let mut cmd = Command::new(bin);
+        cmd.env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("CNI_COMMAND", self.command)
+            .env("CNI_CONTAINERID", self.container)
+            .env("CNI_NETNS", self.netns)
+            .env("CNI_IFNAME", self.ifname)
+            .env("CNI_ARGS", self.args)
+            .env("CNI_PATH", self.path.map(|p| p.to_path_buf()).unwrap_or_else(|| whereabouts_bin().parent().unwrap().to_path_buf()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Ok(v) = std::env::var("WHEREABOUTS_POOL_WRITES") {
+            cmd.env("WHEREABOUTS_POOL_WRITES", v);
+        }
+        let mut child = cmd.spawn().expect("spawn CNI plugin");
+        child.stdin.take().unwrap().write_all(self.conf.to_string().as_bytes()).unwrap();
+        child
+    }
+}
+
+/// The outcome of one plugin run.
+#[derive(Debug)]
+pub struct Cni {
+    pub ok: bool,
+    pub stdout: Value,
+    pub stderr: String,
+}
+
+impl Cni {
+    pub fn run(call: &CniCall<'_>) -> Cni {
+        Cni::from(call.spawn(whereabouts_bin()).wait_with_output().unwrap())
+    }
+
+    pub fn addresses(&self) -> Vec<String> {
+        assert!(self.ok, "CNI call failed: {} / {}", self.stdout, self.stderr);
+        self.stdout["ips"].as_array().unwrap().iter().map(|ip| ip["address"].as_str().unwrap().to_owned()).collect()
+    }
+}
+
+impl From<Output> for Cni {
+    fn from(out: Output) -> Cni {
+        let text = String::from_utf8_lossy(&out.stdout);
+        let stdout = if text.trim().is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {text}")) };
+        Cni { ok: out.status.success(), stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
+    }
+}

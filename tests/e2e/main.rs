@@ -1,0 +1,6 @@
+//! End-to-end tier: the real binaries against the real local control plane (e2e/cluster.sh).
+//! Run with `make test` (or `cargo test --test e2e`); every test makes its own namespace.
+
+mod cni;
+mod harness;
+mod netns;
