@@ -301,11 +301,7 @@ async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
         let pods = pods.as_ref().expect("loaded above");
         let gone: Vec<_> = unknown
             .into_iter()
-            .filter(|(_, e)| {
-                !pods
-                    .get(&e.podref)
-                    .is_some_and(|uid| e.poduid.is_empty() || *uid == e.poduid)
-            })
+            .filter(|(_, e)| crate::ownership::is_stale(e, pods))
             .collect();
         released += release_entries(store, range, scope(req), &pool.name, &gone)
             .await

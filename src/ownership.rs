@@ -1,0 +1,163 @@
+//! Which pool entries belong to which pod: the rules every release decision rests on.
+//!
+//! Pod UID, not `namespace/name`, identifies a pod over time (StatefulSets reuse names). An entry
+//! belongs to a pod when its podref matches and its recorded UID matches; entries written without a
+//! UID (by upstream, or by a runtime that did not pass `K8S_POD_UID`) belong to the pod only if the
+//! address is one that pod's Multus network-status lists. Pure functions, tested without a cluster.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use serde::Deserialize;
+
+use crate::config::Problem;
+use crate::crd::IPAllocation;
+
+pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
+
+/// One entry of the Multus `network-status` annotation.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct NetworkStatus {
+    /// `<namespace>/<nad name>` (or a bare name for the default network).
+    pub name: String,
+    #[serde(default)]
+    pub interface: String,
+    #[serde(default)]
+    pub ips: Vec<String>,
+    #[serde(default)]
+    pub default: bool,
+}
+
+/// Parses the annotation; the problem names the annotation and what is wrong with it.
+pub fn parse_network_status(text: &str) -> Result<Vec<NetworkStatus>, Problem> {
+    serde_json::from_str(text).map_err(|e| {
+        Problem::at(
+            format!("annotation {NETWORK_STATUS_ANNOTATION}"),
+            format!("is not a network-status list: {e}"),
+        )
+    })
+}
+
+/// The secondary (non-default) attachments with the addresses Multus reported for them.
+pub fn secondary_addresses(statuses: &[NetworkStatus]) -> Vec<IpAddr> {
+    statuses
+        .iter()
+        .filter(|s| !s.default)
+        .flat_map(|s| {
+            s.ips
+                .iter()
+                .filter_map(|ip| ip.split('/').next()?.parse().ok())
+        })
+        .collect()
+}
+
+/// A pod as the release decisions see it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodIdentity {
+    pub podref: String,
+    pub uid: String,
+    /// Addresses from the pod's network-status (secondary networks only).
+    pub addresses: Vec<IpAddr>,
+}
+
+/// True when `entry` (holding `ip`) belongs to `pod`.
+pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
+    if entry.podref != pod.podref {
+        return false;
+    }
+    if entry.poduid.is_empty() {
+        pod.addresses.contains(&ip)
+    } else {
+        entry.poduid == pod.uid
+    }
+}
+
+/// True when no living pod owns `entry`: no pod of that name exists, or the one that exists has
+/// another UID than the one recorded. An entry without a UID whose pod name exists is never stale
+/// (it may be the same pod).
+pub fn is_stale(entry: &IPAllocation, live: &HashMap<String, String>) -> bool {
+    match live.get(&entry.podref) {
+        None => true,
+        Some(uid) => !entry.poduid.is_empty() && *uid != entry.poduid,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(podref: &str, uid: &str) -> IPAllocation {
+        IPAllocation {
+            id: "c".into(),
+            podref: podref.into(),
+            poduid: uid.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn uid_decides_when_recorded() {
+        let old = PodIdentity {
+            podref: "ns/web-0".into(),
+            uid: "old".into(),
+            addresses: vec![],
+        };
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        assert!(belongs_to(&entry("ns/web-0", "old"), ip, &old));
+        // The StatefulSet replacement's entry is never the old pod's.
+        assert!(!belongs_to(&entry("ns/web-0", "new"), ip, &old));
+        assert!(!belongs_to(&entry("ns/web-1", "old"), ip, &old));
+    }
+
+    #[test]
+    fn without_uid_the_network_status_decides() {
+        let statuses = parse_network_status(
+            r#"[{"name":"kindnet","interface":"eth0","ips":["10.244.0.5"],"default":true},
+            {"name":"ns/macvlan","interface":"net1","ips":["10.0.0.5","fd00::5"],"mac":"aa:bb"}]"#,
+        )
+        .unwrap();
+        let pod = PodIdentity {
+            podref: "ns/p".into(),
+            uid: "u".into(),
+            addresses: secondary_addresses(&statuses),
+        };
+        assert_eq!(pod.addresses.len(), 2);
+        assert!(belongs_to(
+            &entry("ns/p", ""),
+            "10.0.0.5".parse().unwrap(),
+            &pod
+        ));
+        assert!(belongs_to(
+            &entry("ns/p", ""),
+            "fd00::5".parse().unwrap(),
+            &pod
+        ));
+        assert!(!belongs_to(
+            &entry("ns/p", ""),
+            "10.0.0.6".parse().unwrap(),
+            &pod
+        ));
+        assert!(
+            !belongs_to(&entry("ns/p", ""), "10.244.0.5".parse().unwrap(), &pod),
+            "default network addresses are not ours"
+        );
+    }
+
+    #[test]
+    fn staleness() {
+        let live = HashMap::from([("ns/a".to_owned(), "ua".to_owned())]);
+        assert!(!is_stale(&entry("ns/a", "ua"), &live));
+        assert!(!is_stale(&entry("ns/a", ""), &live));
+        assert!(is_stale(&entry("ns/a", "older"), &live));
+        assert!(is_stale(&entry("ns/gone", "x"), &live));
+    }
+
+    #[test]
+    fn bad_annotation_is_a_problem_not_a_panic() {
+        let e = parse_network_status("{not json").unwrap_err();
+        assert!(e.to_string().starts_with(
+            "annotation k8s.v1.cni.cncf.io/network-status is not a network-status list"
+        ));
+        assert!(parse_network_status(r#"[{"ips":["x"]}]"#).is_err());
+    }
+}
