@@ -9,4 +9,5 @@ pub mod config;
 pub mod crd;
 pub mod ipam;
 pub mod kubeconfig;
+pub mod ownership;
 pub mod store;
