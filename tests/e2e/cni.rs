@@ -18,19 +18,31 @@ fn design_discussion_configs_give_the_expected_addresses_in_order() {
     let multi = ns.netconf("0.3.1", json!({"ipRanges": design_ipranges()}));
     let r = ns.cni("ADD", &multi, "c1", "net1", "pod1", "u1");
     assert_eq!(r.addresses(), ["10.10.10.20/24", "11.11.11.20/24"]);
-    assert_eq!(r.stdout["ips"][0]["version"], "4", "0.3.1 results carry the version");
+    assert_eq!(
+        r.stdout["ips"][0]["version"], "4",
+        "0.3.1 results carry the version"
+    );
     let dual = ns.netconf("1.0.0", json!({"ipRanges": [{"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"}, {"range": "2001::1/64", "range_start": "2001::16", "range_end": "2001::64"}]}));
     let r = ns.cni("ADD", &dual, "c2", "net1", "pod2", "u2");
     assert_eq!(r.addresses(), ["10.10.10.21/24", "2001::16/64"]);
     assert!(r.stdout["ips"][0].get("version").is_none());
     let top = ns.netconf("1.1.0", json!({"range": "12.12.12.12/24", "ipRanges": [{"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"}, {"range": "2001::1/64", "range_start": "2001::16", "range_end": "2001::64"}]}));
     let r = ns.cni("ADD", &top, "c3", "net1", "pod3", "u3");
-    assert_eq!(r.addresses(), ["12.12.12.1/24", "10.10.10.22/24", "2001::17/64"]);
+    assert_eq!(
+        r.addresses(),
+        ["12.12.12.1/24", "10.10.10.22/24", "2001::17/64"]
+    );
     // Stored objects: upstream names and offset keys, plus the pod UID.
     let v6 = ns.allocations("2001---64");
-    assert_eq!(v6["22"], json!({"id": "c2", "podref": format!("{}/pod2", ns.name), "ifname": "net1", "poduid": "u2"}));
+    assert_eq!(
+        v6["22"],
+        json!({"id": "c2", "podref": format!("{}/pod2", ns.name), "ifname": "net1", "poduid": "u2"})
+    );
     assert_eq!(v6["23"]["id"], "c3");
-    assert_eq!(ns.get_json(&["ippool", "12.12.12.0-24"]).unwrap()["spec"]["range"], "12.12.12.0/24");
+    assert_eq!(
+        ns.get_json(&["ippool", "12.12.12.0-24"]).unwrap()["spec"]["range"],
+        "12.12.12.0/24"
+    );
     let res = ns.reservations();
     assert_eq!(res["2001--17"]["podref"], format!("{}/pod3", ns.name));
     assert!(res.contains_key("10.10.10.22"));
@@ -49,14 +61,19 @@ fn add_is_idempotent_and_del_frees_everything() {
     assert!(ns.allocations("10.10.10.0-24").is_empty());
     assert!(ns.allocations("11.11.11.0-24").is_empty());
     assert!(ns.reservations().is_empty(), "{:?}", ns.reservations());
-    assert!(ns.cni("DEL", &conf, "c1", "net1", "pod1", "u1").ok, "a repeated DEL is harmless");
+    assert!(
+        ns.cni("DEL", &conf, "c1", "net1", "pod1", "u1").ok,
+        "a repeated DEL is harmless"
+    );
 }
 
 #[test]
 fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
     let ns = Ns::new("conc");
     let conf = ns.netconf("1.0.0", json!({"range": "10.20.0.0/24"}));
-    let children: Vec<_> = (0..100).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))).collect();
+    let children: Vec<_> = (0..100)
+        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
+        .collect();
     let mut seen = BTreeSet::new();
     for child in children {
         let r = crate::harness::Cni::from(child.wait_with_output().unwrap());
@@ -71,7 +88,9 @@ fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
 fn killed_adds_never_leave_a_duplicate() {
     let ns = Ns::new("kill");
     let conf = ns.netconf("1.0.0", json!({"range": "10.30.0.0/24"}));
-    let mut children: Vec<_> = (0..30).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))).collect();
+    let mut children: Vec<_> = (0..30)
+        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
+        .collect();
     // Kill a third of them at staggered moments, mid-flight.
     for (i, child) in children.iter_mut().enumerate().filter(|(i, _)| i % 3 == 0) {
         std::thread::sleep(Duration::from_millis(5 * i as u64));
@@ -83,7 +102,14 @@ fn killed_adds_never_leave_a_duplicate() {
     // The runtime retries every ADD; each pod must end with its own address.
     let mut by_pod = BTreeMap::new();
     for i in 0..30 {
-        let r = ns.cni("ADD", &conf, &format!("c{i}"), "net1", &format!("pod{i}"), &format!("uid-pod{i}"));
+        let r = ns.cni(
+            "ADD",
+            &conf,
+            &format!("c{i}"),
+            "net1",
+            &format!("pod{i}"),
+            &format!("uid-pod{i}"),
+        );
         by_pod.insert(format!("{}/pod{i}", ns.name), r.addresses()[0].clone());
     }
     let distinct: BTreeSet<_> = by_pod.values().collect();
@@ -95,7 +121,10 @@ fn killed_adds_never_leave_a_duplicate() {
     for (offset, entry) in &pool {
         let ip = format!("10.30.0.{offset}");
         assert_eq!(res[&ip]["podref"], entry["podref"], "reservation of {ip}");
-        assert_eq!(by_pod[entry["podref"].as_str().unwrap()], format!("{ip}/24"));
+        assert_eq!(
+            by_pod[entry["podref"].as_str().unwrap()],
+            format!("{ip}/24")
+        );
     }
 }
 
@@ -103,35 +132,65 @@ fn killed_adds_never_leave_a_duplicate() {
 fn an_upstream_written_pool_is_read_and_respected() {
     let ns = Ns::new("upstream");
     // Offsets as upstream writes them, including an IPv6 offset beyond 2^64.
-    let pool = format!(r#"{{"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool", "metadata": {{"name": "fd00-0-0-10---56", "namespace": "{ns}"}},
-        "spec": {{"range": "fd00:0:0:10::/56", "allocations": {{"1": {{"id": "up1", "podref": "{ns}/old1"}}, "2": {{"id": "up2", "podref": "{ns}/old2", "ifname": "net1"}}, "18446744073709551617": {{"id": "up3", "podref": "{ns}/old3"}}}}}}}}"#, ns = ns.name);
+    let pool = format!(
+        r#"{{"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool", "metadata": {{"name": "fd00-0-0-10---56", "namespace": "{ns}"}},
+        "spec": {{"range": "fd00:0:0:10::/56", "allocations": {{"1": {{"id": "up1", "podref": "{ns}/old1"}}, "2": {{"id": "up2", "podref": "{ns}/old2", "ifname": "net1"}}, "18446744073709551617": {{"id": "up3", "podref": "{ns}/old3"}}}}}}}}"#,
+        ns = ns.name
+    );
     let out = ns.apply(&pool);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let conf = ns.netconf("1.0.0", json!({"range": "fd00:0:0:10::/56"}));
-    assert_eq!(ns.cni("ADD", &conf, "c1", "net1", "new1", "u1").addresses(), ["fd00:0:0:10::3/56"]);
+    assert_eq!(
+        ns.cni("ADD", &conf, "c1", "net1", "new1", "u1").addresses(),
+        ["fd00:0:0:10::3/56"]
+    );
     // upstream's DEL key is container id + ifname: releasing up2 frees offset 2 only.
     assert!(ns.cni("DEL", &conf, "up2", "net1", "old2", "").ok);
     let after = ns.allocations("fd00-0-0-10---56");
-    assert_eq!(after.keys().collect::<Vec<_>>(), ["1", "18446744073709551617", "3"]);
-    assert_eq!(ns.cni("ADD", &conf, "c2", "net1", "new2", "u2").addresses(), ["fd00:0:0:10::2/56"]);
+    assert_eq!(
+        after.keys().collect::<Vec<_>>(),
+        ["1", "18446744073709551617", "3"]
+    );
+    assert_eq!(
+        ns.cni("ADD", &conf, "c2", "net1", "new2", "u2").addresses(),
+        ["fd00:0:0:10::2/56"]
+    );
 }
 
 #[test]
 fn errors_are_cni_json_with_the_right_code() {
     let ns = Ns::new("errors");
-    let bad = ns.netconf("1.0.0", json!({"range": "10.0.0.0/24", "range_start": "10.0.1.5"}));
+    let bad = ns.netconf(
+        "1.0.0",
+        json!({"range": "10.0.0.0/24", "range_start": "10.0.1.5"}),
+    );
     let r = ns.cni("ADD", &bad, "c1", "net1", "pod1", "u1");
     assert!(!r.ok);
     assert_eq!(r.stdout["code"], 7);
-    assert_eq!(r.stdout["msg"], r#"invalid whereabouts config: ipam.range_start "10.0.1.5" is outside range 10.0.0.0/24"#);
+    assert_eq!(
+        r.stdout["msg"],
+        r#"invalid whereabouts config: ipam.range_start "10.0.1.5" is outside range 10.0.0.0/24"#
+    );
     let tiny = ns.netconf("1.0.0", json!({"range": "10.40.0.0/30"}));
     ns.cni("ADD", &tiny, "c1", "net1", "pod1", "u1").addresses();
     ns.cni("ADD", &tiny, "c2", "net1", "pod2", "u2").addresses();
     let full = ns.cni("ADD", &tiny, "c3", "net1", "pod3", "u3");
     assert_eq!(full.stdout["code"], 100);
-    assert!(full.stdout["msg"].as_str().unwrap().contains("no free address in range 10.40.0.0/30"));
+    assert!(
+        full.stdout["msg"]
+            .as_str()
+            .unwrap()
+            .contains("no free address in range 10.40.0.0/30")
+    );
     let v = ns.cni("VERSION", &json!({"cniVersion": "1.1.0"}), "", "", "", "");
-    assert_eq!(v.stdout["supportedVersions"], json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]));
+    assert_eq!(
+        v.stdout["supportedVersions"],
+        json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"])
+    );
     let status = ns.cni("STATUS", &tiny, "", "", "", "");
     assert!(status.ok, "{status:?}");
 }
@@ -141,12 +200,18 @@ fn gc_releases_gone_pods_only() {
     let ns = Ns::new("gc");
     let conf = ns.netconf("1.1.0", json!({"range": "10.50.0.0/24"}));
     let live_uid = ns.create_pod("live", &BTreeMap::new());
-    ns.cni("ADD", &conf, "c-live", "net1", "live", &live_uid).addresses();
-    ns.cni("ADD", &conf, "c-gone", "net1", "gone", "uid-gone").addresses();
+    ns.cni("ADD", &conf, "c-live", "net1", "live", &live_uid)
+        .addresses();
+    ns.cni("ADD", &conf, "c-gone", "net1", "gone", "uid-gone")
+        .addresses();
     let mut gc = conf.clone();
     gc["cni.dev/valid-attachments"] = json!([]);
     let r = ns.cni("GC", &gc, "", "", "", "");
     assert!(r.ok, "{r:?}");
-    let left: Vec<_> = ns.allocations("10.50.0.0-24").values().map(|e| e["id"].as_str().unwrap().to_owned()).collect();
+    let left: Vec<_> = ns
+        .allocations("10.50.0.0-24")
+        .values()
+        .map(|e| e["id"].as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(left, ["c-live"]);
 }

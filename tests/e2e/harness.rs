@@ -22,14 +22,45 @@ pub fn kubectl_bin() -> PathBuf {
 pub fn admin_kubeconfig() -> &'static Path {
     static KUBECONFIG: OnceLock<PathBuf> = OnceLock::new();
     KUBECONFIG.get_or_init(|| {
-        let out = Command::new(repo().join("e2e/cluster.sh")).arg("up").stderr(Stdio::inherit()).output().expect("run e2e/cluster.sh up");
+        let out = Command::new(repo().join("e2e/cluster.sh"))
+            .arg("up")
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run e2e/cluster.sh up");
         assert!(out.status.success(), "e2e/cluster.sh up failed");
         let stdout = String::from_utf8(out.stdout).unwrap();
-        let path = PathBuf::from(stdout.lines().last().expect("cluster.sh up prints the kubeconfig path").trim());
-        let apply = kubectl_raw(&path, &["apply", "-f", repo().join("crds").to_str().unwrap()], None);
-        assert!(apply.status.success(), "applying crds/: {}", String::from_utf8_lossy(&apply.stderr));
-        for crd in ["ippools.whereabouts.cni.cncf.io", "overlappingrangeipreservations.whereabouts.cni.cncf.io", "network-attachment-definitions.k8s.cni.cncf.io"] {
-            let wait = kubectl_raw(&path, &["wait", "--for=condition=Established", "--timeout=30s", &format!("crd/{crd}")], None);
+        let path = PathBuf::from(
+            stdout
+                .lines()
+                .last()
+                .expect("cluster.sh up prints the kubeconfig path")
+                .trim(),
+        );
+        let apply = kubectl_raw(
+            &path,
+            &["apply", "-f", repo().join("crds").to_str().unwrap()],
+            None,
+        );
+        assert!(
+            apply.status.success(),
+            "applying crds/: {}",
+            String::from_utf8_lossy(&apply.stderr)
+        );
+        for crd in [
+            "ippools.whereabouts.cni.cncf.io",
+            "overlappingrangeipreservations.whereabouts.cni.cncf.io",
+            "network-attachment-definitions.k8s.cni.cncf.io",
+        ] {
+            let wait = kubectl_raw(
+                &path,
+                &[
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=30s",
+                    &format!("crd/{crd}"),
+                ],
+                None,
+            );
             assert!(wait.status.success(), "CRD {crd} not established");
         }
         path
@@ -38,9 +69,19 @@ pub fn admin_kubeconfig() -> &'static Path {
 
 pub fn kubectl_raw(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     let mut cmd = Command::new(kubectl_bin());
-    cmd.arg("--kubeconfig").arg(kubeconfig).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn kubectl");
-    child.stdin.take().unwrap().write_all(stdin.unwrap_or_default().as_bytes()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .unwrap();
     child.wait_with_output().unwrap()
 }
 
@@ -55,16 +96,27 @@ pub struct Ns {
 impl Ns {
     pub fn new(prefix: &str) -> Ns {
         let admin = admin_kubeconfig();
-        let name = format!("e2e-{prefix}-{}", fastrand::u32(..).to_string().get(..6).unwrap_or("0"));
+        let name = format!(
+            "e2e-{prefix}-{}",
+            fastrand::u32(..).to_string().get(..6).unwrap_or("0")
+        );
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         std::fs::copy(admin, &kubeconfig).unwrap();
-        let ns = Ns { name: name.clone(), kubeconfig, dir };
+        let ns = Ns {
+            name: name.clone(),
+            kubeconfig,
+            dir,
+        };
         ns.kubectl_ok(&["create", "namespace", &name]);
         ns.kubectl_ok(&["config", "set-context", "--current", "--namespace", &name]);
         // Pods need the `default` ServiceAccount; do not wait for the controller manager to make it.
         let _ = ns.kubectl(&["create", "serviceaccount", "default"], None);
-        std::fs::write(ns.flat_file(), serde_json::json!({"kubernetes": {"kubeconfig": ns.kubeconfig}}).to_string()).unwrap();
+        std::fs::write(
+            ns.flat_file(),
+            serde_json::json!({"kubernetes": {"kubeconfig": ns.kubeconfig}}).to_string(),
+        )
+        .unwrap();
         ns
     }
 
@@ -79,7 +131,11 @@ impl Ns {
 
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
         let out = self.kubectl(args, None);
-        assert!(out.status.success(), "kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     }
 
@@ -92,7 +148,9 @@ impl Ns {
         all.extend_from_slice(args);
         all.extend_from_slice(&["-o", "json"]);
         let out = self.kubectl(&all, None);
-        out.status.success().then(|| serde_json::from_slice(&out.stdout).unwrap())
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).unwrap())
     }
 
     /// A pool's allocations, offset -> entry (empty when the pool does not exist).
@@ -105,15 +163,32 @@ impl Ns {
 
     pub fn reservations(&self) -> BTreeMap<String, Value> {
         let list = self.get_json(&["overlappingrangeipreservations"]).unwrap();
-        list["items"].as_array().unwrap().iter().map(|r| (r["metadata"]["name"].as_str().unwrap().to_owned(), r["spec"].clone())).collect()
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["metadata"]["name"].as_str().unwrap().to_owned(),
+                    r["spec"].clone(),
+                )
+            })
+            .collect()
     }
 
     /// Creates a Pod (it stays Pending: there is no scheduler) and returns its UID.
     pub fn create_pod(&self, name: &str, annotations: &BTreeMap<String, String>) -> String {
         let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": self.name, "annotations": annotations},
             "spec": {"automountServiceAccountToken": false, "containers": [{"name": "c", "image": "registry.invalid/pause"}]}});
-        let out = self.kubectl(&["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"], Some(&pod.to_string()));
-        assert!(out.status.success(), "create pod {name}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = self.kubectl(
+            &["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"],
+            Some(&pod.to_string()),
+        );
+        assert!(
+            out.status.success(),
+            "create pod {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     }
 
@@ -125,18 +200,59 @@ impl Ns {
     }
 
     /// Runs the CNI binary as a runtime would for pod `pod` of this namespace.
-    pub fn cni(&self, command: &str, conf: &Value, container: &str, ifname: &str, pod: &str, uid: &str) -> Cni {
-        Cni::run(&CniCall { command, conf, container, ifname, netns: "/var/run/netns/none", args: &format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID={uid}", self.name), path: None })
+    pub fn cni(
+        &self,
+        command: &str,
+        conf: &Value,
+        container: &str,
+        ifname: &str,
+        pod: &str,
+        uid: &str,
+    ) -> Cni {
+        Cni::run(&CniCall {
+            command,
+            conf,
+            container,
+            ifname,
+            netns: "/var/run/netns/none",
+            args: &format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID={uid}",
+                self.name
+            ),
+            path: None,
+        })
     }
 
-    pub fn cni_spawn(&self, command: &str, conf: &Value, container: &str, pod: &str) -> std::process::Child {
-        CniCall { command, conf, container, ifname: "net1", netns: "/var/run/netns/none", args: &format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}", self.name), path: None }.spawn(whereabouts_bin())
+    pub fn cni_spawn(
+        &self,
+        command: &str,
+        conf: &Value,
+        container: &str,
+        pod: &str,
+    ) -> std::process::Child {
+        CniCall {
+            command,
+            conf,
+            container,
+            ifname: "net1",
+            netns: "/var/run/netns/none",
+            args: &format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
+                self.name
+            ),
+            path: None,
+        }
+        .spawn(whereabouts_bin())
     }
 }
 
 impl Drop for Ns {
     fn drop(&mut self) {
-        let _ = kubectl_raw(admin_kubeconfig(), &["delete", "namespace", &self.name, "--wait=false"], None);
+        let _ = kubectl_raw(
+            admin_kubeconfig(),
+            &["delete", "namespace", &self.name, "--wait=false"],
+            None,
+        );
     }
 }
 
@@ -165,7 +281,12 @@ impl CniCall<'_> {
             .env("CNI_NETNS", self.netns)
             .env("CNI_IFNAME", self.ifname)
             .env("CNI_ARGS", self.args)
-            .env("CNI_PATH", self.path.map(|p| p.to_path_buf()).unwrap_or_else(|| whereabouts_bin().parent().unwrap().to_path_buf()))
+            .env(
+                "CNI_PATH",
+                self.path
+                    .map(|p| p.to_path_buf())
+                    .unwrap_or_else(|| whereabouts_bin().parent().unwrap().to_path_buf()),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -173,7 +294,12 @@ impl CniCall<'_> {
             cmd.env("WHEREABOUTS_POOL_WRITES", v);
         }
         let mut child = cmd.spawn().expect("spawn CNI plugin");
-        child.stdin.take().unwrap().write_all(self.conf.to_string().as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(self.conf.to_string().as_bytes())
+            .unwrap();
         child
     }
 }
@@ -192,15 +318,33 @@ impl Cni {
     }
 
     pub fn addresses(&self) -> Vec<String> {
-        assert!(self.ok, "CNI call failed: {} / {}", self.stdout, self.stderr);
-        self.stdout["ips"].as_array().unwrap().iter().map(|ip| ip["address"].as_str().unwrap().to_owned()).collect()
+        assert!(
+            self.ok,
+            "CNI call failed: {} / {}",
+            self.stdout, self.stderr
+        );
+        self.stdout["ips"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|ip| ip["address"].as_str().unwrap().to_owned())
+            .collect()
     }
 }
 
 impl From<Output> for Cni {
     fn from(out: Output) -> Cni {
         let text = String::from_utf8_lossy(&out.stdout);
-        let stdout = if text.trim().is_empty() { Value::Null } else { serde_json::from_str(&text).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {text}")) };
-        Cni { ok: out.status.success(), stdout, stderr: String::from_utf8_lossy(&out.stderr).into_owned() }
+        let stdout = if text.trim().is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {text}"))
+        };
+        Cni {
+            ok: out.status.success(),
+            stdout,
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
     }
 }

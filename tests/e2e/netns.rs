@@ -11,7 +11,10 @@ struct NetNs(String);
 impl NetNs {
     fn new() -> NetNs {
         let name = format!("wa-e2e-{}", fastrand::u32(..1_000_000));
-        let ok = Command::new("ip").args(["netns", "add", &name]).status().expect("ip netns (run as root with iproute2)");
+        let ok = Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .expect("ip netns (run as root with iproute2)");
         assert!(ok.success(), "ip netns add {name}");
         NetNs(name)
     }
@@ -19,14 +22,19 @@ impl NetNs {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "delete", &self.0]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.0])
+            .status();
     }
 }
 
 #[test]
 fn bridge_plugin_puts_both_dual_stack_addresses_on_the_interface() {
     let plugins = std::path::Path::new("/usr/lib/cni");
-    assert!(plugins.join("bridge").exists(), "Debian's containernetworking-plugins must be installed (e2e/install-deps.sh)");
+    assert!(
+        plugins.join("bridge").exists(),
+        "Debian's containernetworking-plugins must be installed (e2e/install-deps.sh)"
+    );
     // CNI_PATH holds the bridge plugin and ours.
     let cni_path = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(plugins.join("bridge"), cni_path.path().join("bridge")).unwrap();
@@ -37,16 +45,46 @@ fn bridge_plugin_puts_both_dual_stack_addresses_on_the_interface() {
     let mut conf = ns.netconf("1.0.0", json!({"ipRanges": [{"range": "10.60.0.0/24", "range_start": "10.60.0.10"}, {"range": "fd00:60::/64", "range_start": "fd00:60::10"}]}));
     conf["bridge"] = json!(bridge);
     let netns_path = format!("/var/run/netns/{}", netns.0);
-    let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=p1;K8S_POD_UID=u1", ns.name);
-    let call = |command| CniCall { command, conf: &conf, container: "c1", ifname: "net1", netns: &netns_path, args: &args, path: Some(cni_path.path()) };
-    let add = Cni::from(call("ADD").spawn(plugins.join("bridge")).wait_with_output().unwrap());
+    let args = format!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=p1;K8S_POD_UID=u1",
+        ns.name
+    );
+    let call = |command| CniCall {
+        command,
+        conf: &conf,
+        container: "c1",
+        ifname: "net1",
+        netns: &netns_path,
+        args: &args,
+        path: Some(cni_path.path()),
+    };
+    let add = Cni::from(
+        call("ADD")
+            .spawn(plugins.join("bridge"))
+            .wait_with_output()
+            .unwrap(),
+    );
     let addrs = add.addresses();
     assert_eq!(addrs, ["10.60.0.10/24", "fd00:60::10/64"]);
-    let shown = String::from_utf8(Command::new("ip").args(["-n", &netns.0, "addr", "show", "net1"]).output().unwrap().stdout).unwrap();
+    let shown = String::from_utf8(
+        Command::new("ip")
+            .args(["-n", &netns.0, "addr", "show", "net1"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
     assert!(shown.contains("inet 10.60.0.10/24"), "{shown}");
     assert!(shown.contains("inet6 fd00:60::10/64"), "{shown}");
-    let del = Cni::from(call("DEL").spawn(plugins.join("bridge")).wait_with_output().unwrap());
+    let del = Cni::from(
+        call("DEL")
+            .spawn(plugins.join("bridge"))
+            .wait_with_output()
+            .unwrap(),
+    );
     assert!(del.ok, "{del:?}");
     assert!(ns.allocations("10.60.0.0-24").is_empty());
-    let _ = Command::new("ip").args(["link", "delete", &bridge]).status();
+    let _ = Command::new("ip")
+        .args(["link", "delete", &bridge])
+        .status();
 }
