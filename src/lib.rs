@@ -4,6 +4,8 @@
 //! `ipam` is pure (no I/O); `config` holds the one parser and validator shared by the CNI plugin,
 //! the admission webhook and the offline `validate` command; `crd` holds the wire types only.
 
+pub mod admin;
+pub mod cli;
 pub mod cni;
 pub mod config;
 pub mod crd;
@@ -11,3 +13,5 @@ pub mod ipam;
 pub mod kubeconfig;
 pub mod ownership;
 pub mod store;
+pub mod validate;
+pub mod webhook;

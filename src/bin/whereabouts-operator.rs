@@ -1,8 +1,11 @@
 //! The operator binary: cluster-side services and command-line tools.
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use whereabouts::cli::run::RunArgs;
+use whereabouts::cli::validate::ValidateArgs;
 
 #[derive(Parser)]
 #[command(
@@ -22,11 +25,48 @@ enum Cmd {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// Run the operator: the admission webhook (when a certificate is given) and the admin port.
+    Run(RunArgs),
+    /// Check NetworkAttachmentDefinitions in files or in the cluster, as the webhook would.
+    /// Exit status: 0 all valid, 1 some invalid, 2 usage or read error.
+    Validate(ValidateArgs),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
-        Cmd::Crds { dir } => crds(dir),
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match cli.command {
+        Cmd::Crds { dir } => exit(crds(dir)),
+        Cmd::Run(args) => {
+            exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::run::run(args))))
+        }
+        Cmd::Validate(args) => match runtime() {
+            Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::validate::validate(args))),
+            Err(e) => exit(Err(e)),
+        },
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn exit(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("whereabouts-operator: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 

@@ -1,0 +1,5 @@
+//! The operator binary's subcommands, kept in the library so they are testable; the binary only
+//! parses arguments and calls these.
+
+pub mod run;
+pub mod validate;

@@ -1,0 +1,285 @@
+//! `whereabouts-operator run`: the long-running operator process.
+//!
+//! Each component is a task that runs until the shared shutdown signal (SIGTERM or SIGINT) fires:
+//! today the admin port (probes), the NAD watch cache and the admission webhook; the controllers
+//! (pod cleanup, pool audit) are added as further tasks. When any task fails, the others are told
+//! to stop and the process exits non-zero.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Api, Client};
+use tokio::sync::watch;
+
+use crate::admin::{self, AdminState};
+use crate::crd::NetworkAttachmentDefinition;
+use crate::webhook::{self, WebhookState, tls::CertFiles};
+
+/// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Plain-HTTP address for /livez and /readyz.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_ADMIN_ADDR",
+        default_value = "0.0.0.0:8080",
+        value_name = "ADDR"
+    )]
+    pub admin_addr: SocketAddr,
+    /// HTTPS address of the admission webhook (POST /validate).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_WEBHOOK_ADDR",
+        default_value = "0.0.0.0:8443",
+        value_name = "ADDR"
+    )]
+    pub webhook_addr: SocketAddr,
+    /// PEM certificate chain of the webhook; the webhook is off without it. Reloaded on change.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_TLS_CERT_FILE",
+        value_name = "FILE",
+        requires = "tls_key_file"
+    )]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the webhook certificate. Reloaded on change.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_TLS_KEY_FILE",
+        value_name = "FILE",
+        requires = "tls_cert_file"
+    )]
+    pub tls_key_file: Option<PathBuf>,
+    /// Namespace of the IP pools (default: the kubeconfig context's namespace, else kube-system).
+    #[arg(long, env = "WHEREABOUTS_POOL_NAMESPACE", value_name = "NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// How often the pool audit runs (applies to the pool audit).
+    #[arg(long, env = "WHEREABOUTS_AUDIT_INTERVAL", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    pub audit_interval: Duration,
+    /// How long an allocation must look stale before the pool audit frees it.
+    #[arg(long, env = "WHEREABOUTS_STALE_GRACE", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    pub stale_grace: Duration,
+    /// Elect a leader among operator replicas before running controllers (true or false).
+    #[arg(long, env = "WHEREABOUTS_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub leader_election: bool,
+    /// Report what the controllers would change without writing.
+    #[arg(long, env = "WHEREABOUTS_DRY_RUN")]
+    pub dry_run: bool,
+}
+
+/// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a duration (for example 30s, 5m, 1h30m, 250ms)");
+    let mut total = Duration::ZERO;
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        let after = &rest[digits..];
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(after.len());
+        let part = match &after[..unit_len] {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n * 60),
+            "h" => Duration::from_secs(n * 3600),
+            _ => return Err(bad()),
+        };
+        total += part;
+        rest = &after[unit_len..];
+    }
+    Ok(total)
+}
+
+/// Readiness of the NAD watch cache.
+const SYNCING: u8 = 0;
+const SYNCED: u8 = 1;
+const CRD_ABSENT: u8 = 2;
+
+type Task = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
+
+/// A shutdown signal every task can wait on.
+#[derive(Clone)]
+pub struct Shutdown(watch::Receiver<bool>);
+
+impl Shutdown {
+    pub async fn wait(mut self) {
+        let _ = self.0.wait_for(|stop| *stop).await;
+    }
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let shutdown = Shutdown(stop_rx);
+    let mut admin_state = AdminState::new();
+    let mut tasks: Vec<Task> = Vec::new();
+
+    if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
+        let (client, _namespace) = client().await?;
+        let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
+        let cache = Arc::new(AtomicU8::new(SYNCING));
+        let loaded = Arc::new(AtomicBool::new(false));
+        let (l, c) = (loaded.clone(), cache.clone());
+        admin_state = admin_state
+            .check("webhook-certificate", move || {
+                l.load(Ordering::SeqCst)
+                    .then_some(())
+                    .ok_or_else(|| "not loaded".to_owned())
+            })
+            .check("nad-cache", move || match c.load(Ordering::SeqCst) {
+                SYNCING => Err("not synced".to_owned()),
+                _ => Ok(()),
+            });
+        tasks.push(Box::pin(nad_cache(client, writer, cache, shutdown.clone())));
+        let listener = std::net::TcpListener::bind(args.webhook_addr)
+            .with_context(|| format!("--webhook-addr {}: cannot listen", args.webhook_addr))?;
+        let app = webhook::router(WebhookState::new(Arc::new(store)));
+        let files = CertFiles::new(cert, key);
+        let stop = shutdown.clone();
+        tasks.push(Box::pin(async move {
+            tracing::info!(addr = %args.webhook_addr, "admission webhook listening (HTTPS)");
+            webhook::tls::serve(listener, files, app, loaded, stop.wait())
+                .await
+                .context("webhook server")
+        }));
+    } else {
+        tracing::info!("no --tls-cert-file/--tls-key-file: the admission webhook is off");
+    }
+    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
+        .await
+        .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
+    let stop = shutdown.clone();
+    tasks.push(Box::pin(async move {
+        tracing::info!(addr = %args.admin_addr, "admin port listening (HTTP)");
+        axum::serve(admin_listener, admin::router(admin_state))
+            .with_graceful_shutdown(stop.wait())
+            .await
+            .context("admin server")
+    }));
+    supervise(tasks, stop_tx).await
+}
+
+/// Runs every task; the first failure or a signal stops them all.
+async fn supervise(tasks: Vec<Task>, stop: watch::Sender<bool>) -> anyhow::Result<()> {
+    let mut set = tokio::task::JoinSet::new();
+    for t in tasks {
+        set.spawn(t);
+    }
+    let mut result = Ok(());
+    tokio::select! {
+        () = signal() => tracing::info!("shutting down"),
+        Some(first) = set.join_next() => {
+            result = flatten(first);
+            if result.is_ok() {
+                result = Err(anyhow::anyhow!("a component stopped unexpectedly"));
+            }
+        }
+    }
+    let _ = stop.send(true);
+    let drain = async {
+        while let Some(done) = set.join_next().await {
+            if let Err(e) = flatten(done) {
+                tracing::error!(error = %format!("{e:#}"), "component failed during shutdown");
+            }
+        }
+    };
+    if tokio::time::timeout(webhook::tls::DRAIN + Duration::from_secs(2), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("components did not stop in time");
+    }
+    result
+}
+
+fn flatten(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow::Result<()> {
+    r.map_err(anyhow::Error::from)?
+}
+
+async fn signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn client() -> anyhow::Result<(Client, String)> {
+    let (config, namespace) = crate::kubeconfig::load(None).await?;
+    Ok((Client::try_from(config)?, namespace))
+}
+
+/// Watches NADs in every namespace into the reflector store the webhook reads. A missing CRD is
+/// not fatal: the webhook then works without overlap warnings, and the watch keeps retrying.
+async fn nad_cache(
+    client: Client,
+    writer: reflector::store::Writer<NetworkAttachmentDefinition>,
+    state: Arc<AtomicU8>,
+    shutdown: Shutdown,
+) -> anyhow::Result<()> {
+    let api: Api<NetworkAttachmentDefinition> = Api::all(client);
+    let stream = reflector(writer, watcher(api, watcher::Config::default())).default_backoff();
+    let mut stream = std::pin::pin!(stream);
+    let mut stop = std::pin::pin!(shutdown.wait());
+    loop {
+        let event = tokio::select! {
+            () = &mut stop => return Ok(()),
+            e = stream.next() => e,
+        };
+        match event {
+            None => anyhow::bail!("NAD watch ended"),
+            Some(Ok(watcher::Event::InitDone)) => {
+                if state.swap(SYNCED, Ordering::SeqCst) != SYNCED {
+                    tracing::info!("NAD cache synced");
+                }
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) if is_not_found(&e) => {
+                if state.swap(CRD_ABSENT, Ordering::SeqCst) != CRD_ABSENT {
+                    tracing::warn!(
+                        "the NetworkAttachmentDefinition CRD is not installed; the webhook runs without overlap warnings"
+                    );
+                }
+            }
+            Some(Err(e)) => tracing::warn!(error = %e, "NAD watch failed; retrying"),
+        }
+    }
+}
+
+fn is_not_found(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s))
+        | watcher::Error::WatchFailed(kube::Error::Api(s)) => s.code == 404,
+        watcher::Error::WatchError(s) => s.code == 404,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        for bad in ["", "5", "m", "5x", "-1s", "1.5s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! Checking NetworkAttachmentDefinitions: the NAD-level wrapper around the one validator, shared by
+//! the admission webhook and the offline `whereabouts-operator validate` command.
+//!
+//! A NAD's `spec.config` is a JSON string holding a plugin config or a conflist; every whereabouts
+//! `ipam` block in it goes through [`validate_ipam`] with [`Source::Nad`]. Problems are reported
+//! with `spec.config: ` in front of the config path, so a message reads the same in a denial, in the
+//! CLI and in the plugin's error. NADs of other IPAMs are "not ours" and never judged.
+//!
+//! The cross-NAD check (two NADs of one `network_name` whose windows overlap share addresses through
+//! reservations) needs the other NADs: the webhook takes them from its watch cache, the CLI from the
+//! other documents it reads (or the cluster).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::{NetConf, Problem, Source, validate_ipam};
+use crate::ipam::AddrRange;
+
+/// Where problems inside a NAD are reported from.
+pub const SPEC_CONFIG: &str = "spec.config";
+
+/// One allocatable range of a whereabouts NAD, for the cross-NAD overlap check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NadRange {
+    /// Config path of the range, for example `plugins[1].ipam.ipRanges[0]`.
+    pub path: String,
+    pub network_name: Option<String>,
+    pub range: AddrRange,
+}
+
+/// The verdict on one NAD's `spec.config`.
+#[derive(Debug, Clone, Default)]
+pub struct NadCheck {
+    /// False when the config has no whereabouts ipam (then nothing else is set).
+    pub whereabouts: bool,
+    pub errors: Vec<Problem>,
+    pub warnings: Vec<Problem>,
+    /// The ranges of every valid whereabouts block.
+    pub ranges: Vec<NadRange>,
+}
+
+impl NadCheck {
+    pub fn is_valid(&self) -> bool {
+        self.errors.is_empty()
+    }
+}
+
+/// Validates a NAD's `spec.config` text. Problem paths are relative to `spec.config` except for
+/// the JSON error, which is `spec.config` itself; [`message`] renders both the same way.
+pub fn check_spec_config(config: &str) -> NadCheck {
+    let mut out = NadCheck::default();
+    if config.trim().is_empty() {
+        // Multus then reads the config from a file on the node: not ours to judge.
+        return out;
+    }
+    let conf = match NetConf::parse(config, SPEC_CONFIG) {
+        Ok(conf) => conf,
+        Err(p) => {
+            // A config that is not even JSON may still have been meant for whereabouts; say so
+            // only when it mentions us, other IPAMs' broken NADs are not our business.
+            if config.contains(crate::config::netconf::IPAM_TYPE) {
+                out.whereabouts = true;
+                out.errors.push(p);
+            }
+            return out;
+        }
+    };
+    for (prefix, ipam) in conf.whereabouts_ipams() {
+        out.whereabouts = true;
+        let v = validate_ipam(ipam, &prefix, Source::Nad);
+        out.errors.extend(v.errors);
+        out.warnings.extend(v.warnings);
+        if let Some(cfg) = v.config {
+            out.ranges.extend(cfg.ranges.into_iter().map(|r| NadRange {
+                path: r.path,
+                network_name: cfg.network_name.clone(),
+                range: r.range,
+            }));
+        }
+    }
+    out
+}
+
+/// A problem as a person reads it: `spec.config: ipam.range "x" is not a CIDR ...`.
+pub fn message(p: &Problem) -> String {
+    if p.path == SPEC_CONFIG || p.path.starts_with("spec.") {
+        p.to_string()
+    } else {
+        format!("{SPEC_CONFIG}: {p}")
+    }
+}
+
+/// The `spec.config` text of a NAD object given as JSON (`None` when it has none).
+pub fn spec_config(object: &Value) -> Option<&str> {
+    object.get("spec")?.get("config")?.as_str()
+}
+
+/// Warnings for every range of `mine` whose window overlaps a range of another NAD in the same
+/// network. `others` yields `(namespace/name, ranges)`; the caller leaves the NAD itself out.
+pub fn overlap_warnings<'a>(
+    mine: &[NadRange],
+    others: impl IntoIterator<Item = (&'a str, &'a [NadRange])>,
+) -> Vec<Problem> {
+    let mut out = Vec::new();
+    for (other, ranges) in others {
+        for theirs in ranges {
+            for r in mine.iter().filter(|r| {
+                r.network_name == theirs.network_name && r.range.windows_overlap(&theirs.range)
+            }) {
+                out.push(overlap_problem(r, other, theirs));
+            }
+        }
+    }
+    out
+}
+
+fn overlap_problem(r: &NadRange, other: &str, theirs: &NadRange) -> Problem {
+    let network = match &r.network_name {
+        Some(n) => format!("network_name {n:?}"),
+        None => "the default network (no network_name)".to_owned(),
+    };
+    Problem::with_value(
+        r.path.clone(),
+        r.range.cidr(),
+        format!(
+            "overlaps range {} of NetworkAttachmentDefinition {other} in {network}: the two share addresses through reservations",
+            theirs.range.cidr()
+        ),
+    )
+}
+
+/// How serious a finding of the offline command is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    Error,
+    Warning,
+}
+
+/// One line of the offline command's report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    pub file: String,
+    /// 1-based index of the YAML document in the file (items of a List count as documents).
+    pub document: usize,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub severity: Severity,
+    /// Full path inside the object: `spec.config` or `spec.config: ipam.range`.
+    pub path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    pub reason: String,
+    /// The whole message, as the webhook would word it.
+    pub message: String,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let object = match &self.namespace {
+            Some(ns) => format!("{ns}/{}", self.name),
+            None => self.name.clone(),
+        };
+        let severity = match self.severity {
+            Severity::Error => "error",
+            Severity::Warning => "warning",
+        };
+        write!(
+            f,
+            "{}:{}: {severity}: NetworkAttachmentDefinition {object}: {}",
+            self.file, self.document, self.message
+        )
+    }
+}
+
+/// A NAD read from a file (or the cluster), with its check.
+#[derive(Debug, Clone)]
+pub struct CheckedNad {
+    pub file: String,
+    pub document: usize,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub check: NadCheck,
+}
+
+impl CheckedNad {
+    fn key(&self) -> String {
+        match &self.namespace {
+            Some(ns) => format!("{ns}/{}", self.name),
+            None => self.name.clone(),
+        }
+    }
+
+    fn finding(&self, severity: Severity, p: &Problem) -> Finding {
+        let path = if p.path.starts_with("spec.") {
+            p.path.clone()
+        } else {
+            format!("{SPEC_CONFIG}: {}", p.path)
+        };
+        Finding {
+            file: self.file.clone(),
+            document: self.document,
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            severity,
+            path,
+            value: p.value.clone(),
+            reason: p.reason.clone(),
+            message: message(p),
+        }
+    }
+}
+
+/// Why a file could not be read as YAML.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: document {document}: {source}")]
+pub struct ReadError {
+    pub file: String,
+    pub document: usize,
+    #[source]
+    pub source: serde_yaml::Error,
+}
+
+/// Reads every NAD of a YAML (multi-document) or JSON text and checks it; other kinds are skipped.
+/// `List` documents (as `kubectl get -o yaml` prints them) are opened.
+pub fn check_text(file: &str, text: &str) -> Result<Vec<CheckedNad>, ReadError> {
+    let mut out = Vec::new();
+    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let document = i + 1;
+        let value = serde_yaml::Value::deserialize(doc).map_err(|source| ReadError {
+            file: file.to_owned(),
+            document,
+            source,
+        })?;
+        let value: Value = match serde_json::to_value(&value) {
+            Ok(v) => v,
+            // YAML with non-string keys and the like: not a Kubernetes object.
+            Err(_) => continue,
+        };
+        collect(file, document, &value, &mut out);
+    }
+    Ok(out)
+}
+
+use serde::Deserialize as _;
+
+fn collect(file: &str, document: usize, value: &Value, out: &mut Vec<CheckedNad>) {
+    let kind = value
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if kind.ends_with("List") {
+        for item in value
+            .get("items")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            collect(file, document, item, out);
+        }
+        return;
+    }
+    if let Some(nad) = check_object(file, document, value) {
+        out.push(nad);
+    }
+}
+
+/// Checks one object given as JSON when it is a `k8s.cni.cncf.io` NetworkAttachmentDefinition.
+pub fn check_object(file: &str, document: usize, value: &Value) -> Option<CheckedNad> {
+    let api_version = value.get("apiVersion").and_then(Value::as_str)?;
+    let kind = value.get("kind").and_then(Value::as_str)?;
+    if kind != "NetworkAttachmentDefinition" || !api_version.starts_with("k8s.cni.cncf.io/") {
+        return None;
+    }
+    let meta = value.get("metadata");
+    let text = |k: &str| {
+        meta.and_then(|m| m.get(k))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    let mut check = match value.get("spec").and_then(|s| s.get("config")) {
+        None | Some(Value::Null) => NadCheck::default(),
+        Some(Value::String(s)) => check_spec_config(s),
+        Some(other) => NadCheck {
+            whereabouts: true,
+            errors: vec![Problem::with_value(
+                SPEC_CONFIG,
+                other,
+                "must be a string holding the JSON network config",
+            )],
+            ..NadCheck::default()
+        },
+    };
+    if !check.whereabouts {
+        check.warnings.clear();
+    }
+    Some(CheckedNad {
+        file: file.to_owned(),
+        document,
+        namespace: text("namespace"),
+        name: text("name").unwrap_or_else(|| "(unnamed)".to_owned()),
+        check,
+    })
+}
+
+/// The report on a set of NADs: each one's errors and warnings, plus a warning for every pair of
+/// NADs in one network whose ranges overlap. Ranges are swept in order of their window start, so
+/// ten thousand NADs cost a sort, not a hundred million comparisons.
+pub fn findings(nads: &[CheckedNad]) -> Vec<Finding> {
+    let mut per_nad: Vec<Vec<Finding>> = nads
+        .iter()
+        .map(|n| {
+            let mut f: Vec<Finding> = n
+                .check
+                .errors
+                .iter()
+                .map(|p| n.finding(Severity::Error, p))
+                .collect();
+            f.extend(
+                n.check
+                    .warnings
+                    .iter()
+                    .map(|p| n.finding(Severity::Warning, p)),
+            );
+            f
+        })
+        .collect();
+    for (a, ra, b, rb) in overlapping_pairs(nads) {
+        let (na, nb) = (&nads[a], &nads[b]);
+        let pa = overlap_problem(ra, &nb.key(), rb);
+        let pb = overlap_problem(rb, &na.key(), ra);
+        per_nad[a].push(na.finding(Severity::Warning, &pa));
+        per_nad[b].push(nb.finding(Severity::Warning, &pb));
+    }
+    per_nad.into_iter().flatten().collect()
+}
+
+type Pair<'a> = (usize, &'a NadRange, usize, &'a NadRange);
+type Indexed<'a> = (usize, &'a NadRange);
+
+fn overlapping_pairs(nads: &[CheckedNad]) -> Vec<Pair<'_>> {
+    // Keyed by network name and family: only ranges that share both can overlap.
+    let mut by_network: BTreeMap<(Option<&str>, bool), Vec<Indexed<'_>>> = BTreeMap::new();
+    for (i, n) in nads.iter().enumerate() {
+        for r in &n.check.ranges {
+            let v6 = r.range.cidr().addr().is_ipv6();
+            by_network
+                .entry((r.network_name.as_deref(), v6))
+                .or_default()
+                .push((i, r));
+        }
+    }
+    let mut pairs = Vec::new();
+    for (_, mut ranges) in by_network {
+        ranges.sort_by_key(|(_, r)| r.range.window().0);
+        // `active` holds the ranges that started earlier and may still reach the current one.
+        let mut active: Vec<Indexed<'_>> = Vec::new();
+        for (i, r) in ranges {
+            let start = r.range.window().0;
+            active.retain(|(_, a)| a.range.window().1 >= start);
+            for &(j, a) in &active {
+                if j != i && a.range.windows_overlap(&r.range) {
+                    pairs.push((j, a, i, r));
+                }
+            }
+            active.push((i, r));
+        }
+    }
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nad(name: &str, config: &str) -> String {
+        serde_json::json!({"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+            "metadata": {"name": name, "namespace": "ns"}, "spec": {"config": config}})
+        .to_string()
+    }
+
+    #[test]
+    fn problems_carry_the_spec_config_prefix() {
+        let c = check_spec_config(
+            r#"{"cniVersion":"1.0.0","type":"macvlan","ipam":{"type":"whereabouts","range":"10.0.0.0/24","ipRanges":[{"range":"10.0.1.0/24"},{"range":"10.0.2.0/24","range_start":"10.0.1.5"}]}}"#,
+        );
+        assert!(c.whereabouts);
+        let msgs: Vec<String> = c.errors.iter().map(message).collect();
+        assert_eq!(
+            msgs,
+            [
+                r#"spec.config: ipam.ipRanges[1].range_start "10.0.1.5" is outside range 10.0.2.0/24"#
+            ]
+        );
+    }
+
+    #[test]
+    fn other_ipams_and_empty_configs_are_not_ours() {
+        let c = check_spec_config(r#"{"type":"bridge","ipam":{"type":"host-local"}}"#);
+        assert!(!c.whereabouts && c.is_valid());
+        assert!(!check_spec_config("").whereabouts);
+        assert!(!check_spec_config("{not json").whereabouts);
+        let bad = check_spec_config(r#"{"ipam":{"type":"whereabouts""#);
+        assert!(bad.whereabouts && !bad.is_valid());
+        assert!(message(&bad.errors[0]).starts_with("spec.config is not valid JSON"));
+    }
+
+    #[test]
+    fn documents_lists_and_other_kinds() {
+        let text = format!(
+            "{}\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: x}}\n---\n{}\n",
+            nad(
+                "a",
+                r#"{"type":"macvlan","ipam":{"type":"whereabouts","range":"10.0.0.0/24"}}"#
+            ),
+            nad(
+                "b",
+                r#"{"type":"macvlan","ipam":{"type":"whereabouts","range":"10.0.0.128/25"}}"#
+            ),
+        );
+        let nads = check_text("f.yaml", &text).unwrap();
+        assert_eq!(nads.len(), 2);
+        assert_eq!(nads[1].document, 3);
+        let f = findings(&nads);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert!(f.iter().all(|f| f.severity == Severity::Warning));
+        assert!(
+            f[0].message.contains("overlaps range 10.0.0.128/25"),
+            "{}",
+            f[0]
+        );
+        assert!(f[0].to_string().starts_with("f.yaml:1: warning: NetworkAttachmentDefinition ns/a: spec.config: ipam.range \"10.0.0.0/24\" overlaps"), "{}", f[0]);
+    }
+
+    #[test]
+    fn overlap_sweep_respects_network_names() {
+        let mk = |name: &str, range: &str, net: Option<&str>| {
+            let mut ipam = serde_json::json!({"type": "whereabouts", "range": range});
+            if let Some(n) = net {
+                ipam["network_name"] = n.into();
+            }
+            check_object(
+                "f",
+                1,
+                &serde_json::from_str(&nad(name, &serde_json::json!({"ipam": ipam}).to_string()))
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let nads = vec![
+            mk("a", "10.0.0.0/16", None),
+            mk("b", "10.0.5.0/24", Some("blue")),
+            mk("c", "10.1.0.0/24", None),
+            mk("d", "10.0.200.0/24", None),
+        ];
+        let pairs = overlapping_pairs(&nads);
+        assert_eq!(pairs.len(), 1);
+        assert_eq!((pairs[0].0, pairs[0].2), (0, 3));
+    }
+}
