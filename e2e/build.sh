@@ -5,7 +5,7 @@
 #
 # A binary is rebuilt only when its stamp (e2e/bin/.NAME.stamp) differs from
 # the current inputs: Go version, build flags and the go.mod/go.sum of its
-# module. The Go build cache (~/.cache/go-build) makes rebuilds incremental.
+# module (so bumping a pinned version rebuilds). The Go build cache (~/.cache/go-build) makes rebuilds incremental.
 #
 # Usage: e2e/build.sh [NAME...]     (default: all four)
 # Progress goes to stderr; nothing is printed on stdout.
@@ -66,8 +66,9 @@ build_one() {
     ldflags+="$(version_ldflags "$mod_dir")"
   fi
   stamp_file="$BIN_DIR/.$name.stamp"
+  # `go mod edit -json` rather than the raw go.mod: comment edits don't count.
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "pkg=$pkg"; echo "ldflags=$ldflags";
-             cat "$mod_dir/go.mod" "$mod_dir/go.sum"; } | sha256sum | cut -d' ' -f1)"
+             (cd "$mod_dir" && go mod edit -json); cat "$mod_dir/go.sum"; } | sha256sum | cut -d' ' -f1)"
   have="$(cat "$stamp_file" 2>/dev/null || true)"
   if [[ -x "$BIN_DIR/$name" && "$have" == "$want" ]]; then
     log "$name: up to date"
@@ -88,6 +89,12 @@ build_one() {
 }
 
 mkdir -p "$BIN_DIR"
+# Two builds at once would race on e2e/bin/*.tmp; serialize them with a lock
+# on this script file (no lock file to clean up).
+if command -v flock >/dev/null; then
+  exec 8<"$E2E_DIR/build.sh"
+  flock -w 3600 8 || die "another e2e/build.sh is still running after 3600 s"
+fi
 if [[ $# -eq 0 ]]; then
   set -- etcd kube-apiserver kube-controller-manager kubectl
 fi

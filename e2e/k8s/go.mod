@@ -5,8 +5,8 @@
 // and replaces them with ./staging/... paths, which only work inside the
 // kubernetes repo. The Go proxy does not serve v0.0.0, so every staging module
 // is replaced here with its published tag v0.<minor>.<patch> matching the
-// kubernetes release. To bump: change the versions below (see
-// e2e/k8s/bump.sh) and run it.
+// kubernetes release. To move to another release run
+// `e2e/k8s/bump.sh 1.MINOR.PATCH` (rewrites the require and replace lines).
 module github.com/whereabouts/e2e/k8s
 
 go 1.26.0

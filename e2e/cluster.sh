@@ -1,0 +1,471 @@
+#!/usr/bin/env bash
+# Local Kubernetes control plane for e2e tests: etcd + kube-apiserver +
+# kube-controller-manager on 127.0.0.1, no kubelet, no scheduler, no Docker.
+#
+#   e2e/cluster.sh up     build binaries if needed, start everything, wait until
+#                         ready; the LAST line of stdout is the absolute path of
+#                         the admin kubeconfig (progress goes to stderr).
+#                         Idempotent: if the cluster is already up and healthy
+#                         it just prints the path again.
+#   e2e/cluster.sh down   stop exactly the processes `up` started (pid files),
+#                         wait for them to exit, remove the state folder.
+#   e2e/cluster.sh env    print `export KUBECONFIG=<path>` (eval "$(... env)").
+#   e2e/cluster.sh status print what is running (stderr) and exit 0 if healthy.
+#
+# Environment:
+#   WHEREABOUTS_E2E_STATE    state folder (default: e2e/.state next to this script)
+#   WHEREABOUTS_E2E_TIMEOUT  seconds to wait for each component (default 60)
+#   WHEREABOUTS_E2E_APISERVER_PORT  fixed apiserver port (default: a free one)
+#   WHEREABOUTS_E2E_SKIP_BUILD=1    use e2e/bin as is, never call build.sh
+#
+# State folder layout: pki/ (CA, certs, keys), etcd-data/, *.log, *.pid,
+# cluster.env (ports, urls), kubeconfig (admin, O=system:masters).
+set -euo pipefail
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+BIN_DIR="$E2E_DIR/bin"
+STATE_DIR="${WHEREABOUTS_E2E_STATE:-$E2E_DIR/.state}"
+# Make the state path absolute (the printed kubeconfig path must be absolute,
+# and callers may run us from any cwd). Its parent has to exist.
+case "$STATE_DIR" in
+  /*) ;;
+  *) STATE_DIR="$(pwd)/$STATE_DIR" ;;
+esac
+STATE_DIR="${STATE_DIR%/}"
+TIMEOUT="${WHEREABOUTS_E2E_TIMEOUT:-60}"
+KUBECONFIG_PATH="$STATE_DIR/kubeconfig"
+PKI="$STATE_DIR/pki"
+# Start order; `down` stops them in reverse.
+COMPONENTS=(etcd kube-apiserver kube-controller-manager)
+
+# Cluster configuration. No traffic ever goes to the service range: there is
+# no kube-proxy; it only has to be a valid CIDR for ClusterIP allocation.
+SERVICE_CIDR="10.96.0.0/16"
+SA_ISSUER="https://kubernetes.default.svc.cluster.local"
+
+log() { printf '[cluster] %s\n' "$*" >&2; }
+die() { printf '[cluster] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- processes
+
+# Is PID one of OUR processes for component NAME? Guards against a pid file
+# that outlived its process and a pid that got reused by something else. The
+# process is either already the binary or the `bash -c ... exec` wrapper that
+# is about to become it (then the binary path is in its argv).
+is_our_process() {
+  local pid="$1" name="$2" exe
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  [[ -d "/proc/$pid" ]] || return 1
+  # A zombie has exited; it only waits to be reaped by its parent.
+  [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != "Z" ]] || return 1
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
+  exe="${exe% (deleted)}" # binary replaced by a rebuild while running
+  [[ "$exe" == "$BIN_DIR/$name" ]] && return 0
+  tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null | grep -qxF "$BIN_DIR/$name"
+}
+
+pid_of() { cat "$STATE_DIR/$1.pid" 2>/dev/null || true; }
+
+# Stops the processes named by the pid files, newest first: SIGTERM, wait up
+# to 20 s, then SIGKILL. Never looks processes up by name.
+stop_components() {
+  local i name pid waited
+  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+    name="${COMPONENTS[$i]}"
+    pid="$(pid_of "$name")"
+    [[ -n "$pid" ]] || continue
+    if is_our_process "$pid" "$name"; then
+      log "stopping $name (pid $pid)"
+      kill -TERM "$pid" 2>/dev/null || true
+      waited=0
+      while is_our_process "$pid" "$name"; do
+        if ((waited >= 200)); then
+          log "$name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
+          kill -KILL "$pid" 2>/dev/null || true
+        fi
+        if ((waited >= 300)); then
+          die "$name (pid $pid) did not exit after SIGKILL"
+        fi
+        sleep 0.1
+        waited=$((waited + 1))
+      done
+    fi
+    rm -f "$STATE_DIR/$name.pid"
+  done
+}
+
+# start NAME ARGS...: runs $BIN_DIR/NAME detached (own session, so a Ctrl-C
+# or hangup of the caller's terminal does not reach it; stdio not inherited,
+# so a caller reading our stdout gets EOF when `up` exits; the lock fd 9 is
+# closed so the daemon does not keep holding the up/down lock). The wrapper
+# writes its own pid and then execs the binary, so the pid file is exact.
+start() {
+  local name="$1"; shift
+  log "starting $name (log: $STATE_DIR/$name.log)"
+  setsid bash -c 'echo $$ > "$1"; shift; exec "$@"' _ \
+    "$STATE_DIR/$name.pid" "$BIN_DIR/$name" "$@" \
+    </dev/null >>"$STATE_DIR/$name.log" 2>&1 9<&- &
+  local i
+  for i in $(seq 50); do
+    [[ -s "$STATE_DIR/$name.pid" ]] && return 0
+    sleep 0.1
+  done
+  die "$name did not start (no pid file after 5 s)"
+}
+
+# Print the last lines of a component log to stderr, with a hint if the
+# usual suspect (a port grabbed by someone else) shows up.
+show_log() {
+  local name="$1" f="$STATE_DIR/$1.log"
+  [[ -f "$f" ]] || return 0
+  printf '[cluster] ----- last 40 lines of %s -----\n' "$f" >&2
+  tail -n 40 "$f" >&2 || true
+  printf '[cluster] ----- end of %s -----\n' "$f" >&2
+  if grep -qiE 'address already in use|bind: address' "$f"; then
+    log "$name could not bind its port: port in use (see above)"
+  fi
+}
+
+# wait_for NAME WHAT CMD...: polls CMD every 0.5 s until it succeeds, at most
+# $TIMEOUT s, failing early if the component's process is gone.
+wait_for() {
+  local name="$1" what="$2"; shift 2
+  local deadline=$((SECONDS + TIMEOUT))
+  until "$@" >/dev/null 2>&1; do
+    if ! is_our_process "$(pid_of "$name")" "$name"; then
+      show_log "$name"
+      die "$name exited while waiting for $what"
+    fi
+    if ((SECONDS >= deadline)); then
+      show_log "$name"
+      die "$what: not within ${TIMEOUT} s"
+    fi
+    sleep 0.5
+  done
+}
+
+# ------------------------------------------------------------------- ports
+
+# Prints N distinct free TCP ports on 127.0.0.1 (bound at once, so distinct,
+# then released; the kernel does not hand them out again right away).
+free_ports() {
+  python3 - "$1" <<'EOF'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+port_is_free() {
+  python3 - "$1" <<'EOF'
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+EOF
+}
+
+# --------------------------------------------------------------------- pki
+
+# All keys are ECDSA P-256: generated instantly, and supported by etcd's and
+# Kubernetes' TLS stacks, service-account tokens (ES256) and python's ssl.
+# sign_cert NAME SUBJECT EXTENSIONS: key + cert signed by the cluster CA.
+sign_cert() {
+  local name="$1" subj="$2" ext="$3"
+  openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/$name.key"
+  openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr"
+  printf '%s\n' "$ext" > "$PKI/$name.ext"
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
+    -CAcreateserial -days 365 -sha256 -extfile "$PKI/$name.ext" -out "$PKI/$name.crt"
+  rm -f "$PKI/$name.csr" "$PKI/$name.ext"
+}
+
+make_pki() {
+  mkdir -p "$PKI"
+  (
+    set -e
+    exec >>"$PKI/openssl.log" 2>&1
+    openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/ca.key"
+    openssl req -x509 -new -key "$PKI/ca.key" -sha256 -days 3650 \
+      -subj "/CN=whereabouts-e2e-ca" \
+      -addext "basicConstraints=critical,CA:TRUE" \
+      -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+      -out "$PKI/ca.crt"
+    # Serving cert of the apiserver: reached as https://127.0.0.1:PORT (and
+    # localhost); the in-cluster names are there for completeness.
+    sign_cert apiserver "/CN=kube-apiserver" \
+"basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=IP:127.0.0.1,DNS:localhost,IP:10.96.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    # Cluster admin: the group system:masters bypasses RBAC.
+    sign_cert admin "/O=system:masters/CN=kubernetes-admin" \
+"basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+    # The controller manager's own identity, bound by the bootstrap RBAC
+    # policy (it then gets per-controller service-account credentials).
+    sign_cert controller-manager "/CN=system:kube-controller-manager" \
+"basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+    # Service-account token signing key pair.
+    openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/sa.key"
+    openssl ec -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
+  ) || { tail -n 20 "$PKI/openssl.log" >&2; die "generating certificates with openssl failed"; }
+}
+
+# write_kubeconfig FILE CERTNAME USER: certs embedded, so the file stands alone.
+write_kubeconfig() {
+  local file="$1" cert="$2" user="$3"
+  cat > "$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: whereabouts-e2e
+  cluster:
+    server: https://127.0.0.1:${APISERVER_PORT}
+    certificate-authority-data: $(base64 -w0 < "$PKI/ca.crt")
+users:
+- name: ${user}
+  user:
+    client-certificate-data: $(base64 -w0 < "$PKI/$cert.crt")
+    client-key-data: $(base64 -w0 < "$PKI/$cert.key")
+contexts:
+- name: whereabouts-e2e
+  context:
+    cluster: whereabouts-e2e
+    user: ${user}
+current-context: whereabouts-e2e
+EOF
+  chmod 600 "$file"
+}
+
+kubectl_admin() {
+  "$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH" --request-timeout=5s "$@"
+}
+
+readyz_ok() {
+  [[ "$(kubectl_admin get --raw /readyz 2>/dev/null)" == "ok" ]]
+}
+
+etcd_healthy() {
+  curl --noproxy '*' -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health" | grep -q '"health":"true"'
+}
+
+healthy() {
+  [[ -f "$KUBECONFIG_PATH" ]] || return 1
+  local name
+  for name in "${COMPONENTS[@]}"; do
+    is_our_process "$(pid_of "$name")" "$name" || return 1
+  done
+  readyz_ok
+}
+
+# ------------------------------------------------------------------- verbs
+
+# Serializes up/down (e.g. several test binaries calling `up` at once: the
+# first starts the cluster, the others wait and then find it healthy). The
+# lock is on this script file itself: no lock file is left behind, `down` can
+# remove the whole state folder, and clusters with different state folders
+# also serialize, which they must because they share e2e/bin (the build).
+# The started daemons must NOT inherit fd 9 (see start()), or they would hold
+# the lock for their whole life.
+take_lock() {
+  command -v flock >/dev/null || return 0
+  exec 9<"$E2E_DIR/cluster.sh"
+  # A cold `up` builds for many minutes; wait long for it.
+  flock -w 1800 9 || die "could not lock $E2E_DIR/cluster.sh within 1800 s (another up/down running?)"
+}
+
+on_up_exit() {
+  local rc=$?
+  ((rc == 0)) && return 0
+  log "up failed (exit $rc); stopping what was started"
+  stop_components || true
+  # The logs stay for diagnosis; the next `up` or `down` clears the folder.
+  log "logs kept in $STATE_DIR (removed by the next 'up' or by 'down')"
+  exit "$rc"
+}
+
+cmd_up() {
+  take_lock
+  if healthy; then
+    log "already up"
+    echo "$KUBECONFIG_PATH"
+    return 0
+  fi
+  if [[ -d "$STATE_DIR" ]]; then
+    log "stale state in $STATE_DIR (not healthy): stopping leftovers and starting afresh"
+    stop_components
+    rm -rf "$STATE_DIR"
+  fi
+
+  for tool in python3 openssl base64 setsid; do
+    command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
+  done
+
+  # Build (or check) the binaries before any process starts.
+  if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]] || ! command -v go >/dev/null; then
+    [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]] || log "go not found: using e2e/bin as is"
+    local b
+    for b in etcd kube-apiserver kube-controller-manager kubectl; do
+      [[ -x "$BIN_DIR/$b" ]] || die "$BIN_DIR/$b missing and not building (need go, see e2e/build.sh)"
+    done
+  else
+    "$E2E_DIR/build.sh" || die "build failed (e2e/build.sh, see messages above)"
+  fi
+
+  mkdir -p "$STATE_DIR"
+  trap on_up_exit EXIT
+
+  local ports
+  ports="$(free_ports 4)" || die "could not pick free ports (python3)"
+  read -r ETCD_PORT ETCD_PEER_PORT APISERVER_PORT KCM_PORT <<<"$ports"
+  if [[ -n "${WHEREABOUTS_E2E_APISERVER_PORT:-}" ]]; then
+    APISERVER_PORT="$WHEREABOUTS_E2E_APISERVER_PORT"
+    port_is_free "$APISERVER_PORT" || die "port $APISERVER_PORT (WHEREABOUTS_E2E_APISERVER_PORT) is in use"
+  fi
+  cat > "$STATE_DIR/cluster.env" <<EOF
+ETCD_PORT=$ETCD_PORT
+ETCD_PEER_PORT=$ETCD_PEER_PORT
+APISERVER_PORT=$APISERVER_PORT
+KCM_PORT=$KCM_PORT
+APISERVER_URL=https://127.0.0.1:$APISERVER_PORT
+KUBECONFIG=$KUBECONFIG_PATH
+CA_CERT=$PKI/ca.crt
+CA_KEY=$PKI/ca.key
+EOF
+
+  log "generating certificates in $PKI"
+  make_pki
+  write_kubeconfig "$KUBECONFIG_PATH" admin kubernetes-admin
+  write_kubeconfig "$STATE_DIR/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
+
+  # etcd: plain HTTP, bound to loopback only, a single throwaway member.
+  # --unsafe-no-fsync: the data is disposable and fsync dominates write
+  # latency on CI disks.
+  start etcd \
+    --name=e2e \
+    --data-dir="$STATE_DIR/etcd-data" \
+    --listen-client-urls="http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster="e2e=http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster-state=new \
+    --unsafe-no-fsync=true \
+    --log-level=warn
+  wait_for etcd "etcd healthy on http://127.0.0.1:$ETCD_PORT/health" \
+    etcd_healthy
+
+  # kube-apiserver. Admission plugins: the default set (it includes
+  # NamespaceLifecycle, ServiceAccount, MutatingAdmissionWebhook,
+  # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...).
+  # --advertise-address: there is no non-loopback interface to guess from.
+  # --endpoint-reconciler-type=none: loopback is not a valid Endpoints
+  #   address, and nothing here routes to the `kubernetes` service anyway.
+  # --allow-privileged: CNI/IPAM DaemonSets usually ask for privileged pods.
+  start kube-apiserver \
+    --bind-address=127.0.0.1 \
+    --secure-port="$APISERVER_PORT" \
+    --advertise-address=127.0.0.1 \
+    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --tls-cert-file="$PKI/apiserver.crt" \
+    --tls-private-key-file="$PKI/apiserver.key" \
+    --client-ca-file="$PKI/ca.crt" \
+    --cert-dir="$STATE_DIR/apiserver-certs" \
+    --authorization-mode=Node,RBAC \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --service-account-issuer="$SA_ISSUER" \
+    --service-account-key-file="$PKI/sa.pub" \
+    --service-account-signing-key-file="$PKI/sa.key" \
+    --api-audiences="$SA_ISSUER" \
+    --endpoint-reconciler-type=none \
+    --allow-privileged=true \
+    --v=1
+  wait_for kube-apiserver "kube-apiserver /readyz on https://127.0.0.1:$APISERVER_PORT" readyz_ok
+
+  # kube-controller-manager with every controller (--controllers=*), its own
+  # credentials per controller, and the CA for the root-ca ConfigMap and CSR
+  # signing. No leader election: there is only one.
+  start kube-controller-manager \
+    --kubeconfig="$STATE_DIR/controller-manager.kubeconfig" \
+    --authentication-kubeconfig="$STATE_DIR/controller-manager.kubeconfig" \
+    --authorization-kubeconfig="$STATE_DIR/controller-manager.kubeconfig" \
+    --bind-address=127.0.0.1 \
+    --secure-port="$KCM_PORT" \
+    --cert-dir="$STATE_DIR/controller-manager-certs" \
+    --controllers='*' \
+    --use-service-account-credentials=true \
+    --service-account-private-key-file="$PKI/sa.key" \
+    --root-ca-file="$PKI/ca.crt" \
+    --cluster-signing-cert-file="$PKI/ca.crt" \
+    --cluster-signing-key-file="$PKI/ca.key" \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --leader-elect=false \
+    --v=1
+  wait_for kube-controller-manager "kube-controller-manager /healthz on https://127.0.0.1:$KCM_PORT" \
+    curl --noproxy '*' -fsSk --max-time 2 "https://127.0.0.1:$KCM_PORT/healthz"
+  # Pods are rejected by the ServiceAccount admission plugin until the
+  # namespace's `default` ServiceAccount exists; wait for it in `default`
+  # so tests can create pods right away.
+  wait_for kube-controller-manager "ServiceAccount default/default (created by the controller manager)" \
+    kubectl_admin get serviceaccount default -n default
+
+  trap - EXIT
+  log "up: kube-apiserver at https://127.0.0.1:$APISERVER_PORT, logs in $STATE_DIR/*.log"
+  echo "$KUBECONFIG_PATH"
+}
+
+cmd_down() {
+  take_lock
+  if [[ ! -d "$STATE_DIR" ]]; then
+    log "nothing to do: $STATE_DIR does not exist"
+    return 0
+  fi
+  stop_components
+  rm -rf "$STATE_DIR"
+  log "down: stopped and removed $STATE_DIR"
+}
+
+cmd_env() {
+  [[ -f "$KUBECONFIG_PATH" ]] || die "no cluster: $KUBECONFIG_PATH does not exist (run: $0 up)"
+  printf 'export KUBECONFIG=%q\n' "$KUBECONFIG_PATH"
+}
+
+cmd_status() {
+  local name pid rc=0
+  for name in "${COMPONENTS[@]}"; do
+    pid="$(pid_of "$name")"
+    if is_our_process "$pid" "$name"; then
+      log "$name: running (pid $pid)"
+    else
+      log "$name: not running"; rc=1
+    fi
+  done
+  if [[ -f "$KUBECONFIG_PATH" ]] && readyz_ok; then
+    log "readyz: ok; kubeconfig: $KUBECONFIG_PATH"
+  else
+    log "readyz: not ok"; rc=1
+  fi
+  return "$rc"
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  env) cmd_env ;;
+  status) cmd_status ;;
+  *)
+    echo "usage: $0 up|down|env|status" >&2
+    exit 2
+    ;;
+esac

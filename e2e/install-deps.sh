@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine needs for the e2e control plane
+# (e2e/build.sh, e2e/cluster.sh, e2e/selftest.sh). Idempotent and
+# non-interactive; run as root. Only apt is used here; the Kubernetes and etcd
+# binaries are compiled from source by e2e/build.sh via the Go module proxy,
+# nothing prebuilt is downloaded.
+#
+# Go itself (>= 1.26, see e2e/k8s/go.mod) is expected to be installed
+# already; Debian 12's golang package is far too old for Kubernetes 1.37.
+set -euo pipefail
+
+# Why each package:
+#   openssl                      CA, serving/client certs, SA signing keys
+#   python3                      picking free ports; the webhook test server
+#   curl                         etcd and controller-manager health checks
+#   ca-certificates              TLS to the Go module proxy during the build
+#   git                          `go` uses it for some module operations
+#   util-linux                   setsid, flock (essential on Debian; listed to be explicit)
+#   procps                       ps/pgrep for humans inspecting the cluster
+#   iproute2                     network namespaces / veths for CNI tests
+#   containernetworking-plugins  reference CNI plugins (bridge, loopback, ...)
+#                                that the IPAM plugin is chained with in tests
+PACKAGES=(
+  openssl
+  python3
+  curl
+  ca-certificates
+  git
+  util-linux
+  procps
+  iproute2
+  containernetworking-plugins
+)
+
+if [[ "$(id -u)" != 0 ]]; then
+  echo "install-deps: must run as root (apt-get install)" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  # dpkg-query prints "install ok installed" only for a fully installed package.
+  if [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" != "install ok installed" ]]; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "install-deps: all packages present" >&2
+else
+  echo "install-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  # Only refresh the package lists when something has to be installed.
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if ! command -v go >/dev/null; then
+  echo "install-deps: WARNING: go not found in PATH; e2e/build.sh needs Go >= 1.26" >&2
+fi
