@@ -4,3 +4,4 @@
 mod cni;
 mod harness;
 mod netns;
+mod webhook;
