@@ -99,11 +99,14 @@ async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {
 /// when it is invalid, errors still reach stderr.
 fn init_logging(inv: &Invocation<'_>) {
     let ipam = cni::logging_settings(inv);
+    // The config's level applies to our own crate; libraries stay at warn (their debug output
+    // would bury ours).
     let level = match ipam.1.as_deref() {
-        Some("debug") => tracing::Level::DEBUG,
-        Some("verbose") => tracing::Level::INFO,
-        _ => tracing::Level::ERROR,
+        Some("debug") => "debug",
+        Some("verbose") => "info",
+        _ => "error",
     };
+    let filter = tracing_subscriber::EnvFilter::new(format!("warn,whereabouts={level}"));
     let file = ipam.0.and_then(|path| {
         std::fs::OpenOptions::new()
             .create(true)
@@ -112,7 +115,7 @@ fn init_logging(inv: &Invocation<'_>) {
             .ok()
     });
     let builder = tracing_subscriber::fmt()
-        .with_max_level(level)
+        .with_env_filter(filter)
         .with_ansi(false)
         .with_target(false);
     match file {

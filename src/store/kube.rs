@@ -36,13 +36,11 @@ impl KubeStore {
     }
 
     async fn patch_pool(&self, pool: &str, ops: Value) -> Result<Write> {
+        let params = PatchParams::default();
         let patch: json_patch::Patch =
             serde_json::from_value(ops).expect("patch operations are well-formed");
-        match self
-            .pools
-            .patch(pool, &PatchParams::default(), &Patch::Json::<()>(patch))
-            .await
-        {
+        let patch = Patch::Json::<()>(patch);
+        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
             Ok(_) => Ok(Write::Done),
             Err(e) => match api_code(&e) {
                 Some(404) => Ok(Write::Missing),
@@ -51,6 +49,41 @@ impl KubeStore {
                 _ => Err(error("patch", format!("ippool {pool}"), e)),
             },
         }
+    }
+}
+
+/// Attempts of one request when the failure is transient (a dropped connection, an overloaded or
+/// restarting API server). Retrying is safe because every write is conditional: a repeated create
+/// answers 409 and is recognised as ours, a repeated patch fails its `test` and is re-read.
+const ATTEMPTS: u32 = 6;
+
+async fn retrying<T, F, Fut>(mut call: F) -> Result<T, kube::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, kube::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        match call().await {
+            Err(e) if attempt + 1 < ATTEMPTS && transient(&e) => {
+                attempt += 1;
+                let cap_ms = 20u64 << attempt;
+                tracing::debug!(error = %e, attempt, "retrying a transient API failure");
+                tokio::time::sleep(std::time::Duration::from_millis(fastrand::u64(
+                    cap_ms / 2..=cap_ms,
+                )))
+                .await;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn transient(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(status) => matches!(status.code, 429 | 500 | 502 | 503 | 504),
+        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
+        _ => false,
     }
 }
 
@@ -63,6 +96,13 @@ fn api_code(e: &kube::Error) -> Option<u16> {
 
 fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
     match e {
+        // A 404 without a Status body: the resource type itself is not served.
+        kube::Error::Api(status) if status.code == 404 && status.details.is_none() && status.reason != "NotFound" => StoreError::Api {
+            op,
+            object,
+            code: 404,
+            message: "the whereabouts.cni.cncf.io API is not served: apply the CRDs (kubectl apply -f crds/)".into(),
+        },
         kube::Error::Api(status) => StoreError::Api {
             op,
             object,
@@ -97,9 +137,7 @@ fn owner_tests(offset: u128, expected: &IPAllocation) -> [Value; 2] {
 
 impl Store for KubeStore {
     async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
-        let found = self
-            .pools
-            .get_opt(name)
+        let found = retrying(|| self.pools.get_opt(name))
             .await
             .map_err(|e| error("get", format!("ippool {name}"), e))?;
         Ok(found.map(|p| {
@@ -123,7 +161,8 @@ impl Store for KubeStore {
                 allocations: Default::default(),
             },
         };
-        match self.pools.create(&PostParams::default(), &pool).await {
+        let post = PostParams::default();
+        match retrying(|| self.pools.create(&post, &pool)).await {
             Ok(_) => Ok(Write::Done),
             Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
             Err(e) => Err(error("create", format!("ippool {name}"), e)),
@@ -191,7 +230,8 @@ impl Store for KubeStore {
             },
             spec: spec.clone(),
         };
-        match self.reservations.create(&PostParams::default(), &obj).await {
+        let post = PostParams::default();
+        match retrying(|| self.reservations.create(&post, &obj)).await {
             Ok(created) => Ok((Write::Done, created.metadata.uid.unwrap_or_default())),
             Err(e) if api_code(&e) == Some(409) => Ok((Write::Conflict, String::new())),
             Err(e) => Err(error(
@@ -203,9 +243,7 @@ impl Store for KubeStore {
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
-        let found = self
-            .reservations
-            .get_opt(name)
+        let found = retrying(|| self.reservations.get_opt(name))
             .await
             .map_err(|e| error("get", format!("overlappingrangeipreservation {name}"), e))?;
         Ok(found.map(|r| Reservation {
@@ -224,7 +262,7 @@ impl Store for KubeStore {
             }),
             ..Default::default()
         };
-        match self.reservations.delete(name, &params).await {
+        match retrying(|| self.reservations.delete(name, &params)).await {
             Ok(_) => Ok(Write::Done),
             Err(e) => match api_code(&e) {
                 Some(404) => Ok(Write::Missing),
@@ -239,9 +277,8 @@ impl Store for KubeStore {
     }
 
     async fn pod_uids(&self) -> Result<HashMap<String, String>> {
-        let list = self
-            .pods
-            .list_metadata(&ListParams::default())
+        let list = ListParams::default();
+        let list = retrying(|| self.pods.list_metadata(&list))
             .await
             .map_err(|e| error("list", "pods".into(), e))?;
         Ok(list

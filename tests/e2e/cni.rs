@@ -133,8 +133,8 @@ fn an_upstream_written_pool_is_read_and_respected() {
     let ns = Ns::new("upstream");
     // Offsets as upstream writes them, including an IPv6 offset beyond 2^64.
     let pool = format!(
-        r#"{{"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool", "metadata": {{"name": "fd00-0-0-10---56", "namespace": "{ns}"}},
-        "spec": {{"range": "fd00:0:0:10::/56", "allocations": {{"1": {{"id": "up1", "podref": "{ns}/old1"}}, "2": {{"id": "up2", "podref": "{ns}/old2", "ifname": "net1"}}, "18446744073709551617": {{"id": "up3", "podref": "{ns}/old3"}}}}}}}}"#,
+        r#"{{"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool", "metadata": {{"name": "fd00-0-10---48", "namespace": "{ns}"}},
+        "spec": {{"range": "fd00:0:10::/48", "allocations": {{"1": {{"id": "up1", "podref": "{ns}/old1"}}, "2": {{"id": "up2", "podref": "{ns}/old2", "ifname": "net1"}}, "18446744073709551617": {{"id": "up3", "podref": "{ns}/old3"}}}}}}}}"#,
         ns = ns.name
     );
     let out = ns.apply(&pool);
@@ -143,21 +143,21 @@ fn an_upstream_written_pool_is_read_and_respected() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let conf = ns.netconf("1.0.0", json!({"range": "fd00:0:0:10::/56"}));
+    let conf = ns.netconf("1.0.0", json!({"range": "fd00:0:10::/48"}));
     assert_eq!(
         ns.cni("ADD", &conf, "c1", "net1", "new1", "u1").addresses(),
-        ["fd00:0:0:10::3/56"]
+        ["fd00:0:10::3/48"]
     );
     // upstream's DEL key is container id + ifname: releasing up2 frees offset 2 only.
     assert!(ns.cni("DEL", &conf, "up2", "net1", "old2", "").ok);
-    let after = ns.allocations("fd00-0-0-10---56");
+    let after = ns.allocations("fd00-0-10---48");
     assert_eq!(
         after.keys().collect::<Vec<_>>(),
         ["1", "18446744073709551617", "3"]
     );
     assert_eq!(
         ns.cni("ADD", &conf, "c2", "net1", "new2", "u2").addresses(),
-        ["fd00:0:0:10::2/56"]
+        ["fd00:0:10::2/48"]
     );
 }
 
