@@ -1,4 +1,4 @@
-//! The admin port: plain HTTP for probes (and, later, metrics), never the webhook's TLS port.
+//! The admin port: plain HTTP for probes and `/metrics`, never the webhook's TLS port.
 //!
 //! Readiness reflects real state: each component registers a named check, and `/readyz` answers
 //! 200 `ok` only when every check passes, else 503 naming each failing check. [`router`] is a
@@ -47,6 +47,7 @@ pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(|| async { crate::metrics::render() }))
         .with_state(state)
 }
 

@@ -125,11 +125,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shutdown = Shutdown(stop_rx);
     let mut admin_state = AdminState::new();
     let mut tasks: Vec<Task> = Vec::new();
+    let (client, namespace) = client().await?;
+
+    // One NAD watch feeds both the webhook (overlap warnings) and the NAD controller.
+    let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
+    let nad_changed = Arc::new(tokio::sync::Notify::new());
+    let cache = Arc::new(AtomicU8::new(SYNCING));
+    tasks.push(Box::pin(nad_cache(
+        client.clone(),
+        writer,
+        cache.clone(),
+        nad_changed.clone(),
+        shutdown.clone(),
+    )));
 
     if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
-        let (client, _namespace) = client().await?;
-        let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
-        let cache = Arc::new(AtomicU8::new(SYNCING));
         let loaded = Arc::new(AtomicBool::new(false));
         let (l, c) = (loaded.clone(), cache.clone());
         admin_state = admin_state
@@ -142,10 +152,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 SYNCING => Err("not synced".to_owned()),
                 _ => Ok(()),
             });
-        tasks.push(Box::pin(nad_cache(client, writer, cache, shutdown.clone())));
         let listener = std::net::TcpListener::bind(args.webhook_addr)
             .with_context(|| format!("--webhook-addr {}: cannot listen", args.webhook_addr))?;
-        let app = webhook::router(WebhookState::new(Arc::new(store)));
+        let app = webhook::router(WebhookState::new(Arc::new(store.clone())));
         let files = CertFiles::new(cert, key);
         let stop = shutdown.clone();
         tasks.push(Box::pin(async move {
@@ -157,6 +166,28 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         tracing::info!("no --tls-cert-file/--tls-key-file: the admission webhook is off");
     }
+
+    let health = Arc::new(crate::controller::Health::default());
+    let (h1, h2) = (health.clone(), health.clone());
+    admin_state = admin_state
+        .check("caches", move || flag(&h1.caches_synced, "not synced"))
+        .check("leader-election", move || {
+            flag(&h2.election_running, "not running")
+        });
+    let opts = crate::controller::Options {
+        pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
+        audit_interval: args.audit_interval,
+        stale_grace: args.stale_grace,
+        dry_run: args.dry_run,
+        leader_election: args.leader_election,
+        identity: identity(),
+    };
+    tracing::info!(pool_namespace = %opts.pool_namespace, identity = %opts.identity, dry_run = opts.dry_run, "controllers starting");
+    let stop = shutdown.clone();
+    tasks.push(Box::pin(async move {
+        crate::controller::run(client, opts, health, store, nad_changed, stop.wait()).await
+    }));
+
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
@@ -217,6 +248,24 @@ async fn signal() {
     }
 }
 
+fn flag(f: &AtomicBool, why: &str) -> Result<(), String> {
+    f.load(Ordering::SeqCst)
+        .then_some(())
+        .ok_or_else(|| why.to_owned())
+}
+
+/// This replica's name in the leader Lease: the pod name in a cluster (downward API `POD_NAME`),
+/// else the host name and process id.
+fn identity() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}", host.trim(), std::process::id())
+        })
+}
+
 async fn client() -> anyhow::Result<(Client, String)> {
     let (config, namespace) = crate::kubeconfig::load(None).await?;
     Ok((Client::try_from(config)?, namespace))
@@ -228,6 +277,7 @@ async fn nad_cache(
     client: Client,
     writer: reflector::store::Writer<NetworkAttachmentDefinition>,
     state: Arc<AtomicU8>,
+    changed: Arc<tokio::sync::Notify>,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
     let api: Api<NetworkAttachmentDefinition> = Api::all(client);
@@ -245,8 +295,9 @@ async fn nad_cache(
                 if state.swap(SYNCED, Ordering::SeqCst) != SYNCED {
                     tracing::info!("NAD cache synced");
                 }
+                changed.notify_one();
             }
-            Some(Ok(_)) => {}
+            Some(Ok(_)) => changed.notify_one(),
             Some(Err(e)) if is_not_found(&e) => {
                 if state.swap(CRD_ABSENT, Ordering::SeqCst) != CRD_ABSENT {
                     tracing::warn!(

@@ -119,6 +119,7 @@ pub struct NodeSliceAllocation {
     version = "v1",
     kind = "NetworkAttachmentDefinition",
     plural = "network-attachment-definitions",
+    singular = "network-attachment-definition",
     shortname = "net-attach-def",
     namespaced,
     doc = "A secondary network a pod can attach to (Multus)."

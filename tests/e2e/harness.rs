@@ -348,3 +348,112 @@ impl From<Output> for Cni {
         }
     }
 }
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A plain HTTP/1.1 GET on loopback; the whole response (status line, headers, body).
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// A `whereabouts-operator run` process with its log in a file; killed when dropped.
+pub struct OperatorProcess {
+    pub child: std::process::Child,
+    pub log: PathBuf,
+    pub admin_port: u16,
+}
+
+impl OperatorProcess {
+    /// Starts `run` with the admin port on loopback and `extra` flags, as the admin user.
+    pub fn start(dir: &Path, name: &str, extra: &[String]) -> OperatorProcess {
+        let admin_port = free_port();
+        let log = dir.join(format!("{name}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
+            .arg("run")
+            .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
+            .args(extra)
+            .env("KUBECONFIG", admin_kubeconfig())
+            .env("RUST_LOG", "info,whereabouts=debug")
+            .env("POD_NAME", name)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start whereabouts-operator");
+        OperatorProcess {
+            child,
+            log,
+            admin_port,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn get(&self, path: &str) -> Option<String> {
+        http_get(self.admin_port, path)
+    }
+
+    /// Waits until /readyz answers 200 (caches synced, election running).
+    pub fn wait_ready(&mut self) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("operator exited with {status}: {}", self.log());
+            }
+            if self
+                .get("/readyz")
+                .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "operator not ready in 30 s: {:?}\n{}",
+                self.get("/readyz"),
+                self.log()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for OperatorProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Polls `check` every 100 ms until it holds or `secs` pass; returns whether it held.
+pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    check()
+}

@@ -4,4 +4,5 @@
 mod cni;
 mod harness;
 mod netns;
+mod operator;
 mod webhook;

@@ -1,0 +1,370 @@
+//! The pool audit: what the event path missed (pods deleted while the operator was down, DELs that
+//! failed, force-deleted pods, orphan claims of killed ADDs).
+//!
+//! A cache can lag: a pod created a moment ago may not be in it while its address already is in a
+//! pool. So a stale entry is released only when it was stale on two audits at least a grace period
+//! apart, and only after the live pool and pod are read again right before the write.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use kube::{Resource, ResourceExt};
+
+use super::Context;
+use super::pools::PoolView;
+use crate::cni::allocate::release_entries;
+use crate::crd::IPPool;
+use crate::ownership::is_stale;
+use crate::store::{Store, StoreError, Write};
+
+/// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
+/// for the grace period. Suspects that stop being stale are forgotten.
+#[derive(Debug, Default)]
+pub struct Suspects<K: Eq + Hash + Clone> {
+    first_seen: HashMap<K, Instant>,
+}
+
+impl<K: Eq + Hash + Clone> Suspects<K> {
+    /// Records this audit's stale set and returns the suspects now due for release.
+    pub fn observe(
+        &mut self,
+        now: Instant,
+        stale: impl IntoIterator<Item = K>,
+        grace: Duration,
+    ) -> Vec<K> {
+        let stale: HashSet<K> = stale.into_iter().collect();
+        self.first_seen.retain(|k, _| stale.contains(k));
+        let mut due = Vec::new();
+        for k in stale {
+            let first = *self.first_seen.entry(k.clone()).or_insert(now);
+            if now.duration_since(first) >= grace {
+                due.push(k);
+            }
+        }
+        due
+    }
+
+    pub fn forget(&mut self, k: &K) {
+        self.first_seen.remove(k);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.first_seen.is_empty()
+    }
+}
+
+/// A stale pool entry: pool, offset, container id.
+pub type EntryKey = (String, u128, String);
+
+/// What one audit found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// Stale entries per pool (released ones included).
+    pub stale: HashMap<String, usize>,
+    /// Reservations without a pool entry, plus pool entries without their reservation.
+    pub orphans: usize,
+    pub released: usize,
+    pub released_orphans: usize,
+}
+
+/// Live pods by podref, from the cache.
+fn live_pods(ctx: &Context) -> HashMap<String, String> {
+    ctx.caches
+        .pods
+        .state()
+        .iter()
+        .map(|p| {
+            (
+                format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()),
+                p.uid().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// Stale entries of every cached pool.
+pub fn stale_entries(pools: &[PoolView], live: &HashMap<String, String>) -> Vec<EntryKey> {
+    pools
+        .iter()
+        .flat_map(|p| {
+            p.entries
+                .iter()
+                .filter(|(_, e)| is_stale(e, live))
+                .map(|(o, e)| (p.name.clone(), *o, e.id.clone()))
+        })
+        .collect()
+}
+
+/// Reservation names every pool entry implies.
+pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
+    pools
+        .iter()
+        .flat_map(|p| p.entries.keys().filter_map(|o| p.reservation_of(*o)))
+        .collect()
+}
+
+pub struct Auditor {
+    entries: Suspects<EntryKey>,
+    orphans: Suspects<(String, String)>,
+}
+
+impl Auditor {
+    pub fn new() -> Self {
+        Auditor {
+            entries: Suspects::default(),
+            orphans: Suspects::default(),
+        }
+    }
+
+    /// True while stale suspects wait for their second observation.
+    pub fn has_suspects(&self) -> bool {
+        !self.entries.is_empty() || !self.orphans.is_empty()
+    }
+
+    pub async fn run_once(&mut self, ctx: &Context) -> Result<Report, StoreError> {
+        let pools: Vec<PoolView> = ctx
+            .caches
+            .pools
+            .state()
+            .iter()
+            .filter_map(|p| PoolView::from_pool(p))
+            .collect();
+        let live = live_pods(ctx);
+        let stale = stale_entries(&pools, &live);
+        let mut report = Report::default();
+        for (pool, _, _) in &stale {
+            *report.stale.entry(pool.clone()).or_default() += 1;
+        }
+        let now = Instant::now();
+        for key in self.entries.observe(now, stale, ctx.opts.stale_grace) {
+            if self.release_stale(ctx, &key).await? {
+                report.released += 1;
+            }
+            self.entries.forget(&key);
+        }
+        let expected = expected_reservations(&pools);
+        let reservations: Vec<(String, String)> = ctx
+            .caches
+            .reservations
+            .state()
+            .iter()
+            .map(|r| (r.name_any(), r.uid().unwrap_or_default()))
+            .collect();
+        let orphan_claims: Vec<_> = reservations
+            .iter()
+            .filter(|(n, _)| !expected.contains(n))
+            .cloned()
+            .collect();
+        let names: HashSet<&String> = reservations.iter().map(|(n, _)| n).collect();
+        let unclaimed = expected.iter().filter(|n| !names.contains(n)).count();
+        report.orphans = orphan_claims.len() + unclaimed;
+        if unclaimed > 0 {
+            tracing::warn!(
+                unclaimed,
+                "pool entries without their reservation (written by a plugin with enable_overlapping_ranges false, or upstream mid-write)"
+            );
+        }
+        let due = self
+            .orphans
+            .observe(now, orphan_claims, ctx.opts.stale_grace);
+        if !due.is_empty() {
+            report.released_orphans = self.release_orphans(ctx, due).await?;
+        }
+        Ok(report)
+    }
+
+    /// Re-reads the pool and the pod; releases the entry only if it is still there, unchanged, and
+    /// still stale.
+    async fn release_stale(
+        &self,
+        ctx: &Context,
+        (pool, offset, id): &EntryKey,
+    ) -> Result<bool, StoreError> {
+        let Some(fresh) = ctx
+            .caches
+            .pools
+            .state()
+            .iter()
+            .find(|p| p.name_any() == *pool)
+            .and_then(|p| PoolView::from_pool(p))
+        else {
+            return Ok(false);
+        };
+        let Some(live_pool) = ctx.store.get_pool(pool).await? else {
+            return Ok(false);
+        };
+        let Some(entry) = live_pool
+            .allocations
+            .get(offset)
+            .filter(|e| e.id == *id)
+            .cloned()
+        else {
+            return Ok(false);
+        };
+        if !pod_is_gone(ctx, &entry.podref, &entry.poduid).await? {
+            return Ok(false);
+        }
+        let ip = fresh.ip(*offset);
+        if ctx.opts.dry_run {
+            tracing::info!(pool, ?ip, pod = %entry.podref, "dry run: would release a stale entry");
+            return Ok(false);
+        }
+        let (range, scope) = fresh.release_target();
+        let released =
+            release_entries(&ctx.store, &range, scope, pool, &[(*offset, entry.clone())]).await?;
+        for ip in &released {
+            tracing::info!(pool, %ip, pod = %entry.podref, "released a stale entry");
+            ctx.pool_event(
+                pool,
+                false,
+                "StaleAddressReleased",
+                &format!("released {ip}: pod {} no longer exists", entry.podref),
+            )
+            .await;
+        }
+        crate::metrics::record_releases("audit", released.len());
+        Ok(!released.is_empty())
+    }
+
+    /// Deletes orphan reservations after a fresh LIST of pools confirms no entry implies them.
+    async fn release_orphans(
+        &mut self,
+        ctx: &Context,
+        due: Vec<(String, String)>,
+    ) -> Result<usize, StoreError> {
+        let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
+        let pools = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| StoreError::Api {
+                op: "list",
+                object: "ippools".into(),
+                code: 0,
+                message: e.to_string(),
+            })?;
+        let expected = expected_reservations(
+            &pools
+                .items
+                .iter()
+                .filter_map(PoolView::from_pool)
+                .collect::<Vec<_>>(),
+        );
+        let mut released = 0;
+        for (name, uid) in due {
+            self.orphans.forget(&(name.clone(), uid.clone()));
+            if expected.contains(&name) {
+                continue;
+            }
+            if ctx.opts.dry_run {
+                tracing::info!(reservation = %name, "dry run: would delete an orphan reservation");
+                continue;
+            }
+            if ctx.store.delete_reservation(&name, &uid).await? == Write::Done {
+                tracing::info!(reservation = %name, "deleted an orphan reservation");
+                released += 1;
+            }
+        }
+        crate::metrics::record_releases("orphan", released);
+        Ok(released)
+    }
+}
+
+impl Default for Auditor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Reads the pod from the API server (not the cache): gone, or replaced by a pod with another UID.
+async fn pod_is_gone(ctx: &Context, podref: &str, uid: &str) -> Result<bool, StoreError> {
+    let Some((namespace, name)) = podref.split_once('/') else {
+        return Ok(false);
+    };
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    let pod = api
+        .get_metadata_opt(name)
+        .await
+        .map_err(|e| StoreError::Api {
+            op: "get",
+            object: format!("pod {podref}"),
+            code: 0,
+            message: e.to_string(),
+        })?;
+    Ok(match pod {
+        None => true,
+        Some(p) => !uid.is_empty() && p.meta().uid.as_deref() != Some(uid),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suspects_are_due_only_after_the_grace_period() {
+        let mut s = Suspects::default();
+        let t0 = Instant::now();
+        let grace = Duration::from_secs(60);
+        assert!(s.observe(t0, ["a", "b"], grace).is_empty());
+        assert!(
+            s.observe(t0 + Duration::from_secs(30), ["a", "b"], grace)
+                .is_empty()
+        );
+        // b stopped being stale (its pod showed up in the cache): forgotten.
+        assert!(
+            s.observe(t0 + Duration::from_secs(45), ["a"], grace)
+                .is_empty()
+        );
+        assert_eq!(
+            s.observe(t0 + Duration::from_secs(61), ["a", "b"], grace),
+            vec!["a"]
+        );
+        // b starts over.
+        assert_eq!(
+            s.observe(t0 + Duration::from_secs(122), ["b"], grace),
+            vec!["b"]
+        );
+    }
+
+    #[test]
+    fn stale_entries_and_expected_reservations() {
+        use crate::crd::{IPAllocation, IPPoolSpec};
+        let mut p = IPPool::new(
+            "blue-10.0.0.0-24",
+            IPPoolSpec {
+                range: "10.0.0.0/24".into(),
+                allocations: Default::default(),
+            },
+        );
+        p.spec.allocations.insert(
+            "5".into(),
+            IPAllocation {
+                id: "c5".into(),
+                podref: "ns/a".into(),
+                poduid: "ua".into(),
+                ..Default::default()
+            },
+        );
+        p.spec.allocations.insert(
+            "6".into(),
+            IPAllocation {
+                id: "c6".into(),
+                podref: "ns/gone".into(),
+                ..Default::default()
+            },
+        );
+        let pools = vec![PoolView::from_pool(&p).unwrap()];
+        let live = HashMap::from([("ns/a".to_owned(), "ua".to_owned())]);
+        assert_eq!(
+            stale_entries(&pools, &live),
+            vec![("blue-10.0.0.0-24".to_owned(), 6, "c6".to_owned())]
+        );
+        assert_eq!(
+            expected_reservations(&pools),
+            BTreeSet::from(["blue-10.0.0.5".to_owned(), "blue-10.0.0.6".to_owned()])
+        );
+    }
+}

@@ -1,0 +1,366 @@
+//! The operator's control loops: pod cleanup, pool audit, NAD/pool reconciliation.
+//!
+//! One watch per kind feeds a reflector cache (Pods trimmed to what cleanup needs, NADs, IPPools,
+//! reservations); decisions read the caches and only the final writes go to the API server, each
+//! conditional. Only the leader writes; a replica that is not leader keeps its caches warm so it can
+//! take over at once. Events missed while not leading, or while the operator was down, are caught
+//! by the audit, which runs on start and then periodically.
+
+pub mod audit;
+pub mod cleanup;
+pub mod nads;
+pub mod pools;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::Client;
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{Notify, mpsc, watch};
+
+use crate::crd::{IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation};
+use crate::ownership::PodIdentity;
+use crate::store::kube::KubeStore;
+use cleanup::Trigger;
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub pool_namespace: String,
+    pub audit_interval: Duration,
+    pub stale_grace: Duration,
+    pub dry_run: bool,
+    pub leader_election: bool,
+    /// This replica's identity in the Lease (the pod name in a cluster).
+    pub identity: String,
+}
+
+pub struct Caches {
+    pub pods: Store<Pod>,
+    pub nads: Store<NetworkAttachmentDefinition>,
+    pub pools: Store<IPPool>,
+    pub reservations: Store<OverlappingRangeIPReservation>,
+}
+
+pub struct Context {
+    pub client: Client,
+    pub store: KubeStore,
+    pub caches: Caches,
+    pub opts: Options,
+    recorder: Recorder,
+    leader: watch::Receiver<bool>,
+}
+
+impl Context {
+    pub fn is_leader(&self) -> bool {
+        *self.leader.borrow()
+    }
+
+    /// Publishes a Kubernetes Event; failing to publish is logged, never fatal.
+    pub async fn event(&self, about: &ObjectReference, warning: bool, reason: &str, note: &str) {
+        let event = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note.into()),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, about).await {
+            tracing::warn!(error = %e, reason, "could not publish an event");
+        }
+    }
+
+    pub async fn pool_event(&self, pool: &str, warning: bool, reason: &str, note: &str) {
+        let about = ObjectReference {
+            api_version: Some("whereabouts.cni.cncf.io/v1alpha1".into()),
+            kind: Some("IPPool".into()),
+            namespace: Some(self.opts.pool_namespace.clone()),
+            name: Some(pool.into()),
+            ..Default::default()
+        };
+        self.event(&about, warning, reason, note).await;
+    }
+}
+
+/// What `run` reports to the admin endpoints.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// Every cache has listed its objects once.
+    pub caches_synced: AtomicBool,
+    /// Leader election is running (or disabled).
+    pub election_running: AtomicBool,
+}
+
+/// A pod whose addresses are due, and how often its release was tried.
+struct Job {
+    pod: PodIdentity,
+    trigger: Trigger,
+    attempt: u32,
+}
+
+/// Runs the controllers until `shutdown` resolves. The NAD cache is shared with the webhook (one
+/// watch per kind); `nad_changed` is notified on every NAD event.
+pub async fn run(
+    client: Client,
+    opts: Options,
+    health: Arc<Health>,
+    nads: Store<NetworkAttachmentDefinition>,
+    nad_changed: Arc<Notify>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let wc = watcher::Config::default;
+    let (pods, pods_w) = reflector::store::<Pod>();
+    let (pools, pools_w) = reflector::store::<IPPool>();
+    let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
+    let (jobs_tx, jobs_rx) = mpsc::unbounded_channel::<Job>();
+
+    let pod_watch = watcher(Api::<Pod>::all(client.clone()), wc())
+        .default_backoff()
+        .modify(cleanup::trim)
+        .reflect(pods_w);
+    let pod_events = pod_watch.try_for_each({
+        let tx = jobs_tx.clone();
+        move |event| {
+            let due = match &event {
+                watcher::Event::Delete(p) => Some((p, Trigger::Deleted)),
+                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
+                    cleanup::finished(p).map(|t| (p, t))
+                }
+                _ => None,
+            };
+            if let Some((p, trigger)) = due {
+                let _ = tx.send(Job {
+                    pod: cleanup::identity(p),
+                    trigger,
+                    attempt: 0,
+                });
+            }
+            futures::future::ready(Ok(()))
+        }
+    });
+    let pool_watch = watcher(
+        Api::<IPPool>::namespaced(client.clone(), &opts.pool_namespace),
+        wc(),
+    )
+    .default_backoff()
+    .reflect(pools_w)
+    .try_for_each(|_| futures::future::ready(Ok(())));
+    let res_watch = watcher(
+        Api::<OverlappingRangeIPReservation>::namespaced(client.clone(), &opts.pool_namespace),
+        wc(),
+    )
+    .default_backoff()
+    .reflect(res_w)
+    .try_for_each(|_| futures::future::ready(Ok(())));
+
+    let (leader, election) = elect(&client, &opts).await?;
+    health.election_running.store(true, Ordering::Relaxed);
+    let reporter = Reporter {
+        controller: "whereabouts-operator".into(),
+        instance: Some(opts.identity.clone()),
+    };
+    let ctx = Arc::new(Context {
+        store: KubeStore::new(client.clone(), &opts.pool_namespace),
+        recorder: Recorder::new(client.clone(), reporter),
+        client,
+        caches: Caches {
+            pods,
+            nads,
+            pools,
+            reservations,
+        },
+        opts,
+        leader,
+    });
+
+    let synced = {
+        let (ctx, health) = (ctx.clone(), health.clone());
+        async move {
+            let c = &ctx.caches;
+            // NADs are not waited for: cleanup and audit do not need them, and a cluster without
+            // the NAD CRD still gets its pods cleaned.
+            let _ = tokio::join!(
+                c.pods.wait_until_ready(),
+                c.pools.wait_until_ready(),
+                c.reservations.wait_until_ready()
+            );
+            health.caches_synced.store(true, Ordering::Relaxed);
+            tracing::info!("caches synced");
+        }
+    };
+    let loops = async {
+        synced.await;
+        tokio::join!(
+            cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
+            audit_loop(ctx.clone()),
+            nad_loop(ctx.clone(), nad_changed.clone())
+        );
+    };
+    tokio::select! {
+        r = pod_events => tracing::error!(?r, "pod watch ended"),
+        r = pool_watch => tracing::error!(?r, "pool watch ended"),
+        r = res_watch => tracing::error!(?r, "reservation watch ended"),
+        _ = loops => {}
+        _ = shutdown => tracing::info!("shutting down"),
+    }
+    drop(ctx); // closes the leader channel: the election task releases the Lease
+    if let Some(task) = election {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
+    Ok(())
+}
+
+type ElectionTask = tokio::task::JoinHandle<
+    Result<kube_lease_manager::LeaseManager, kube_lease_manager::LeaseManagerError>,
+>;
+
+/// Leader election on a coordination.k8s.io Lease in the pool namespace; without it this replica
+/// always leads.
+async fn elect(
+    client: &Client,
+    opts: &Options,
+) -> anyhow::Result<(watch::Receiver<bool>, Option<ElectionTask>)> {
+    if !opts.leader_election {
+        let (tx, rx) = watch::channel(true);
+        std::mem::forget(tx); // the value never changes
+        crate::metrics::set_leader(true);
+        return Ok((rx, None));
+    }
+    let manager =
+        kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "whereabouts-operator")
+            .with_namespace(&opts.pool_namespace)
+            .with_identity(&opts.identity)
+            .with_duration(15)
+            .with_grace(5)
+            .build()
+            .await?;
+    let (mut rx, task) = manager.watch().await;
+    let mut observer = rx.clone();
+    tokio::spawn(async move {
+        loop {
+            let leading = *observer.borrow_and_update();
+            crate::metrics::set_leader(leading);
+            tracing::info!(leading, "leadership");
+            if observer.changed().await.is_err() {
+                break;
+            }
+        }
+    });
+    rx.mark_changed();
+    Ok((rx, Some(task)))
+}
+
+/// Releases due pods' addresses. Errors and empty results that may be cache lag are retried with
+/// exponential backoff a bounded number of times; the audit catches anything left.
+async fn cleanup_worker(
+    ctx: Arc<Context>,
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    tx: mpsc::UnboundedSender<Job>,
+) {
+    while let Some(job) = rx.recv().await {
+        if !ctx.is_leader() {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let result = cleanup::release_pod(&ctx, &job.pod, job.trigger).await;
+        let retry = match &result {
+            Ok(o) => {
+                if o.found > 0 {
+                    tracing::info!(pod = %job.pod.podref, released = ?o.released, trigger = ?job.trigger, "released");
+                }
+                // The pod's network-status names addresses the pool cache does not show yet.
+                o.found == 0 && !job.pod.addresses.is_empty() && job.attempt < 2
+            }
+            Err(e) => {
+                tracing::warn!(pod = %job.pod.podref, error = %e, "release failed; retrying");
+                crate::metrics::record_release_error("pod_deleted");
+                ctx.event(
+                    &cleanup::reference(&job.pod),
+                    true,
+                    "ReleaseFailed",
+                    &e.to_string(),
+                )
+                .await;
+                job.attempt < 8
+            }
+        };
+        crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), started.elapsed());
+        if retry {
+            let tx = tx.clone();
+            let delay = Duration::from_millis(500u64 << job.attempt.min(6));
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = tx.send(Job {
+                    attempt: job.attempt + 1,
+                    ..job
+                });
+            });
+        }
+    }
+}
+
+async fn audit_loop(ctx: Arc<Context>) {
+    let mut auditor = audit::Auditor::new();
+    // A short first period so that the second observation of a stale entry found at start-up comes
+    // as soon as the grace period allows.
+    let mut ticker = tokio::time::interval(
+        ctx.opts
+            .audit_interval
+            .min(ctx.opts.stale_grace.max(Duration::from_secs(1))),
+    );
+    let mut since_full = Duration::MAX;
+    loop {
+        ticker.tick().await;
+        since_full = since_full.saturating_add(ticker.period());
+        let suspects_pending = auditor.has_suspects();
+        if since_full < ctx.opts.audit_interval && !suspects_pending {
+            continue;
+        }
+        since_full = Duration::ZERO;
+        if !ctx.is_leader() {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        match auditor.run_once(&ctx).await {
+            Ok(report) => {
+                crate::metrics::set_audit(&report);
+                if report.released > 0 || report.released_orphans > 0 {
+                    tracing::info!(?report, "audit released stale addresses");
+                }
+                crate::metrics::observe_reconcile("audit", true, started.elapsed());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "audit failed");
+                crate::metrics::record_release_error("audit");
+                crate::metrics::observe_reconcile("audit", false, started.elapsed());
+            }
+        }
+    }
+}
+
+async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
+    let mut reported = std::collections::HashMap::new();
+    loop {
+        if ctx.is_leader() {
+            let started = std::time::Instant::now();
+            let result = nads::reconcile(&ctx, &mut reported).await;
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "NAD reconcile failed");
+            }
+            crate::metrics::observe_reconcile("nad", result.is_ok(), started.elapsed());
+        }
+        // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
+        // periodic pass.
+        let _ = tokio::time::timeout(Duration::from_secs(30), changed.notified()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await; // coalesce bursts of NAD events
+    }
+}

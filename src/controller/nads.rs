@@ -1,0 +1,252 @@
+//! Keeping pools in step with networks.
+//!
+//! Every range of every valid whereabouts NAD has its IPPool, created empty and annotated with the
+//! networks that use it, so `kubectl get ippools` and the metrics show a network before its first
+//! pod. A pool whose networks are all gone is deleted while it is empty (with a resourceVersion
+//! precondition, so a plugin writing to it at that moment wins) and kept and reported otherwise.
+//! A NAD that fails validation gets a Warning Event with the validator's message.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use super::Context;
+use crate::config::{NetConf, Source, problem, validate_ipam};
+use crate::crd::{IPPool, IPPoolSpec, NetworkAttachmentDefinition};
+
+/// Which networks (`<ns>/<nad>`) use a pool; written by the operator.
+pub const NETWORKS_ANNOTATION: &str = "whereabouts.cni.cncf.io/networks";
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    /// Pool name -> (range, networks using it).
+    pub pools: BTreeMap<String, (String, BTreeSet<String>)>,
+    /// NADs whose whereabouts config is invalid: (NAD, resourceVersion, message).
+    pub invalid: Vec<(String, String, String)>,
+}
+
+/// The pools the NADs call for, and the NADs that are invalid. Pure.
+pub fn desired(nads: &[Arc<NetworkAttachmentDefinition>]) -> Desired {
+    let mut d = Desired::default();
+    for nad in nads {
+        let network = format!("{}/{}", nad.namespace().unwrap_or_default(), nad.name_any());
+        let rv = nad.resource_version().unwrap_or_default();
+        let text = &nad.spec.config;
+        let conf = match NetConf::parse(text, "spec.config") {
+            Ok(c) => c,
+            Err(p) if text.contains("whereabouts") => {
+                d.invalid.push((network, rv, p.to_string()));
+                continue;
+            }
+            Err(_) => continue,
+        };
+        for (prefix, ipam) in conf.whereabouts_ipams() {
+            let v = validate_ipam(ipam, &prefix, Source::Nad);
+            if !v.errors.is_empty() {
+                d.invalid.push((
+                    network.clone(),
+                    rv.clone(),
+                    format!("spec.config: {}", problem::join(&v.errors)),
+                ));
+            }
+            for range in v.config.iter().flat_map(|c| &c.ranges) {
+                let entry = d
+                    .pools
+                    .entry(range.pool_name.clone())
+                    .or_insert_with(|| (range.range.cidr().to_string(), BTreeSet::new()));
+                entry.1.insert(network.clone());
+            }
+        }
+    }
+    d
+}
+
+fn networks_value(networks: &BTreeSet<String>) -> String {
+    networks.iter().cloned().collect::<Vec<_>>().join(",")
+}
+
+/// Applies `desired` to the pool namespace. Returns the number of writes.
+pub async fn reconcile(
+    ctx: &Context,
+    reported: &mut HashMap<String, String>,
+) -> Result<usize, kube::Error> {
+    let d = desired(&ctx.caches.nads.state());
+    for (nad, rv, message) in &d.invalid {
+        if reported.get(nad) != Some(rv) {
+            tracing::warn!(nad, "{message}");
+            ctx.event(&nad_reference(nad), true, "InvalidConfig", message)
+                .await;
+            reported.insert(nad.clone(), rv.clone());
+        }
+    }
+    if ctx.opts.dry_run {
+        return Ok(0);
+    }
+    let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
+    let cached: HashMap<String, Arc<IPPool>> = ctx
+        .caches
+        .pools
+        .state()
+        .into_iter()
+        .map(|p| (p.name_any(), p))
+        .collect();
+    let mut writes = 0;
+    for (name, (range, networks)) in &d.pools {
+        let value = networks_value(networks);
+        match cached.get(name) {
+            None => writes += create(&api, name, range, &value).await?,
+            Some(p) if p.annotations().get(NETWORKS_ANNOTATION) != Some(&value) => {
+                let patch = json!({"metadata": {"annotations": {NETWORKS_ANNOTATION: value}}});
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
+                writes += 1;
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, pool) in cached.iter().filter(|(n, p)| {
+        !d.pools.contains_key(*n) && p.annotations().contains_key(NETWORKS_ANNOTATION)
+    }) {
+        writes += retire(&api, name, pool).await?;
+    }
+    Ok(writes)
+}
+
+async fn create(
+    api: &Api<IPPool>,
+    name: &str,
+    range: &str,
+    networks: &str,
+) -> Result<usize, kube::Error> {
+    let meta = ObjectMeta {
+        name: Some(name.into()),
+        annotations: Some([(NETWORKS_ANNOTATION.to_owned(), networks.to_owned())].into()),
+        ..Default::default()
+    };
+    let pool = IPPool {
+        metadata: meta,
+        spec: IPPoolSpec {
+            range: range.into(),
+            allocations: Default::default(),
+        },
+    };
+    match api.create(&PostParams::default(), &pool).await {
+        Ok(_) => {
+            tracing::info!(pool = name, networks, "created pool");
+            Ok(1)
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// Deletes a pool no network uses any more, if it is still empty at the version we saw.
+async fn retire(api: &Api<IPPool>, name: &str, pool: &IPPool) -> Result<usize, kube::Error> {
+    if !pool.spec.allocations.is_empty() {
+        tracing::warn!(
+            pool = name,
+            entries = pool.spec.allocations.len(),
+            "no network uses this pool any more; keeping it while it holds entries"
+        );
+        return Ok(0);
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: pool.meta().resource_version.clone(),
+            uid: None,
+        }),
+        ..Default::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => {
+            tracing::info!(pool = name, "deleted an unused empty pool");
+            Ok(1)
+        }
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+fn nad_reference(nad: &str) -> ObjectReference {
+    let (namespace, name) = nad.split_once('/').unwrap_or_default();
+    ObjectReference {
+        api_version: Some("k8s.cni.cncf.io/v1".into()),
+        kind: Some("NetworkAttachmentDefinition".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::NetworkAttachmentDefinitionSpec;
+
+    fn nad(ns: &str, name: &str, config: &str) -> Arc<NetworkAttachmentDefinition> {
+        let mut n = NetworkAttachmentDefinition::new(
+            name,
+            NetworkAttachmentDefinitionSpec {
+                config: config.into(),
+            },
+        );
+        n.metadata.namespace = Some(ns.into());
+        n.metadata.resource_version = Some("7".into());
+        Arc::new(n)
+    }
+
+    #[test]
+    fn pools_of_valid_nads_and_warnings_for_invalid_ones() {
+        let nads = vec![
+            nad(
+                "a",
+                "dual",
+                r#"{"cniVersion":"1.0.0","type":"macvlan","ipam":{"type":"whereabouts","ipRanges":[{"range":"10.0.0.0/24"},{"range":"fd00::/64"}]}}"#,
+            ),
+            nad(
+                "b",
+                "same",
+                r#"{"plugins":[{"type":"bridge","ipam":{"type":"whereabouts","range":"10.0.0.0/24"}}]}"#,
+            ),
+            nad(
+                "b",
+                "named",
+                r#"{"type":"bridge","ipam":{"type":"whereabouts","range":"10.0.0.0/24","network_name":"blue"}}"#,
+            ),
+            nad(
+                "c",
+                "bad",
+                r#"{"type":"bridge","ipam":{"type":"whereabouts","range":"10.0.0.0/24","range_start":"10.9.9.9"}}"#,
+            ),
+            nad(
+                "c",
+                "broken",
+                r#"{"type":"bridge","ipam":{"type":"whereabouts""#,
+            ),
+            nad(
+                "d",
+                "hostlocal",
+                r#"{"type":"bridge","ipam":{"type":"host-local","subnet":"10.0.0.0/24"}}"#,
+            ),
+        ];
+        let d = desired(&nads);
+        assert_eq!(
+            d.pools.keys().collect::<Vec<_>>(),
+            ["10.0.0.0-24", "blue-10.0.0.0-24", "fd00---64"]
+        );
+        assert_eq!(
+            d.pools["10.0.0.0-24"].1,
+            BTreeSet::from(["a/dual".to_owned(), "b/same".to_owned()])
+        );
+        assert_eq!(d.invalid.len(), 2);
+        assert_eq!(
+            d.invalid[0].2,
+            r#"spec.config: ipam.range_start "10.9.9.9" is outside range 10.0.0.0/24"#
+        );
+        assert!(d.invalid[1].2.starts_with("spec.config is not valid JSON"));
+    }
+}

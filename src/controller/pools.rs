@@ -1,0 +1,183 @@
+//! Pools as the operator sees them in its cache, and the pure planning over them.
+//!
+//! A pool names its network (`<network_name>-<normalised cidr>`) and its range, so the offset of
+//! every entry maps back to an address and to the reservation that guards it, without reading any
+//! NAD: cleanup works the same for a NAD that was edited or deleted since the pod started.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use crate::cni::allocate::{PoolWrites, Scope};
+use crate::config::RangeConfig;
+use crate::crd::{IPAllocation, IPPool};
+use crate::ipam::AddrRange;
+use crate::ipam::naming::{pool_name, reservation_name};
+use crate::ownership::{PodIdentity, belongs_to};
+
+/// A parsed pool from the cache.
+#[derive(Debug, Clone)]
+pub struct PoolView {
+    pub name: String,
+    pub range: AddrRange,
+    pub network_name: Option<String>,
+    pub entries: BTreeMap<u128, IPAllocation>,
+}
+
+impl PoolView {
+    /// `None` for a pool whose range does not parse or whose name does not fit its range (not
+    /// ours to touch).
+    pub fn from_pool(pool: &IPPool) -> Option<PoolView> {
+        let name = pool.metadata.name.clone()?;
+        let cidr: ipnet::IpNet = pool.spec.range.parse().ok()?;
+        let range = AddrRange::new(cidr, None, None, &[]).ok()?;
+        let network_name = network_of(&name, cidr)?;
+        let entries = pool
+            .spec
+            .allocations
+            .iter()
+            .filter_map(|(k, e)| Some((k.parse().ok()?, e.clone())))
+            .collect();
+        Some(PoolView {
+            name,
+            range,
+            network_name,
+            entries,
+        })
+    }
+
+    pub fn ip(&self, offset: u128) -> Option<IpAddr> {
+        self.range.addr_at(offset)
+    }
+
+    pub fn reservation_of(&self, offset: u128) -> Option<String> {
+        self.ip(offset)
+            .map(|ip| reservation_name(self.network_name.as_deref(), ip))
+    }
+
+    /// The range and scope the shared release code needs. Reservations are always looked for:
+    /// a network without overlap protection simply has none.
+    pub fn release_target(&self) -> (RangeConfig, Scope<'_>) {
+        let range = RangeConfig {
+            path: String::new(),
+            range: self.range.clone(),
+            pool_name: self.name.clone(),
+        };
+        (
+            range,
+            Scope {
+                network_name: self.network_name.as_deref(),
+                overlapping: true,
+                writes: PoolWrites::KeyAbsent,
+            },
+        )
+    }
+}
+
+/// The network name encoded in a pool name: `Some(None)` for the unnamed network, `None` when the
+/// name does not end with the range's normalised form.
+pub fn network_of(pool: &str, cidr: ipnet::IpNet) -> Option<Option<String>> {
+    let bare = pool_name(None, cidr);
+    if pool == bare {
+        return Some(None);
+    }
+    pool.strip_suffix(&format!("-{bare}"))
+        .filter(|n| !n.is_empty())
+        .map(|n| Some(n.to_owned()))
+}
+
+/// Every entry that belongs to `pod`, pool by pool (pools without any are left out).
+pub fn entries_of_pod<'a>(
+    pools: &'a [PoolView],
+    pod: &PodIdentity,
+) -> Vec<(&'a PoolView, Vec<(u128, IPAllocation)>)> {
+    pools
+        .iter()
+        .filter_map(|p| {
+            let mine: Vec<_> = p
+                .entries
+                .iter()
+                .filter(|(o, e)| p.ip(**o).is_some_and(|ip| belongs_to(e, ip, pod)))
+                .map(|(o, e)| (*o, e.clone()))
+                .collect();
+            (!mine.is_empty()).then_some((p, mine))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::IPPoolSpec;
+
+    pub fn pool(name: &str, range: &str, entries: &[(u128, &str, &str)]) -> IPPool {
+        let allocations = entries
+            .iter()
+            .map(|(o, podref, uid)| {
+                (
+                    o.to_string(),
+                    IPAllocation {
+                        id: format!("c-{o}"),
+                        podref: (*podref).into(),
+                        poduid: (*uid).into(),
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect();
+        let mut p = IPPool::new(
+            name,
+            IPPoolSpec {
+                range: range.into(),
+                allocations,
+            },
+        );
+        p.metadata.namespace = Some("kube-system".into());
+        p
+    }
+
+    #[test]
+    fn network_names_from_pool_names() {
+        let cidr = "10.0.0.0/24".parse().unwrap();
+        assert_eq!(network_of("10.0.0.0-24", cidr), Some(None));
+        assert_eq!(
+            network_of("blue-10.0.0.0-24", cidr),
+            Some(Some("blue".into()))
+        );
+        assert_eq!(network_of("10.0.1.0-24", cidr), None);
+        let v6 = "fd00::/64".parse().unwrap();
+        assert_eq!(
+            network_of("red-net-fd00---64", v6),
+            Some(Some("red-net".into()))
+        );
+    }
+
+    #[test]
+    fn finds_the_entries_of_a_pod_across_pools() {
+        let pools: Vec<PoolView> = [
+            pool(
+                "10.0.0.0-24",
+                "10.0.0.0/24",
+                &[(5, "ns/a", "ua"), (6, "ns/a", "older"), (7, "ns/b", "ub")],
+            ),
+            pool("blue-fd00---64", "fd00::/64", &[(5, "ns/a", "ua")]),
+            pool("bogus", "10.9.0.0/24", &[(5, "ns/a", "ua")]),
+        ]
+        .iter()
+        .filter_map(PoolView::from_pool)
+        .collect();
+        assert_eq!(
+            pools.len(),
+            2,
+            "a pool whose name does not match its range is ignored"
+        );
+        let pod = PodIdentity {
+            podref: "ns/a".into(),
+            uid: "ua".into(),
+            addresses: vec![],
+        };
+        let found = entries_of_pod(&pools, &pod);
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].1.iter().map(|(o, _)| *o).collect::<Vec<_>>(), [5]);
+        assert_eq!(found[1].0.reservation_of(5).unwrap(), "blue-fd00--5");
+    }
+}

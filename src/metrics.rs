@@ -1,0 +1,118 @@
+//! Every Prometheus metric of the operator, registered in one registry.
+//!
+//! Labels are pools, networks, controllers and reasons only: never one series per address or pod.
+//! Nothing here is touched on the CNI plugin's allocation path.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub releases: IntCounterVec,
+    pub release_errors: IntCounterVec,
+    pub reconciles: IntCounterVec,
+    pub reconcile_duration: HistogramVec,
+    pub stale: IntGaugeVec,
+    pub orphans: IntGauge,
+    pub leader: IntGauge,
+    pub build_info: IntGaugeVec,
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric names are unique");
+    metric
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    let r = Registry::new();
+    let m = Metrics {
+        releases: register(&r, IntCounterVec::new(Opts::new("whereabouts_releases_total", "Addresses released by the operator, by reason (pod_deleted, audit, orphan)."), &["reason"]).unwrap()),
+        release_errors: register(&r, IntCounterVec::new(Opts::new("whereabouts_release_errors_total", "Failed release attempts, by reason."), &["reason"]).unwrap()),
+        reconciles: register(&r, IntCounterVec::new(Opts::new("whereabouts_reconcile_total", "Reconcile passes, by controller and result."), &["controller", "result"]).unwrap()),
+        reconcile_duration: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_reconcile_duration_seconds", "Duration of reconcile passes."), &["controller"]).unwrap()),
+        stale: register(&r, IntGaugeVec::new(Opts::new("whereabouts_stale_reservations", "Pool entries whose pod no longer exists, as last audited."), &["pool"]).unwrap()),
+        orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
+        leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
+        build_info: register(&r, IntGaugeVec::new(Opts::new("whereabouts_build_info", "Build information."), &["version"]).unwrap()),
+        registry: r,
+    };
+    m.build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION")])
+        .set(1);
+    m
+});
+
+pub fn metrics() -> &'static Metrics {
+    &METRICS
+}
+
+pub fn record_releases(reason: &str, n: usize) {
+    if n > 0 {
+        METRICS
+            .releases
+            .with_label_values(&[reason])
+            .inc_by(n as u64);
+    }
+}
+
+pub fn record_release_error(reason: &str) {
+    METRICS.release_errors.with_label_values(&[reason]).inc();
+}
+
+pub fn observe_reconcile(controller: &str, ok: bool, took: Duration) {
+    METRICS
+        .reconciles
+        .with_label_values(&[controller, if ok { "success" } else { "error" }])
+        .inc();
+    METRICS
+        .reconcile_duration
+        .with_label_values(&[controller])
+        .observe(took.as_secs_f64());
+}
+
+pub fn set_leader(leading: bool) {
+    METRICS.leader.set(i64::from(leading));
+}
+
+/// Replaces the stale gauges with the latest audit's figures (pools no longer stale drop to 0).
+pub fn set_audit(report: &crate::controller::audit::Report) {
+    METRICS.stale.reset();
+    for (pool, n) in &report.stale {
+        METRICS.stale.with_label_values(&[pool]).set(*n as i64);
+    }
+    METRICS.orphans.set(report.orphans as i64);
+}
+
+/// The Prometheus text exposition of every metric.
+pub fn render() -> String {
+    let mut out = Vec::new();
+    TextEncoder::new()
+        .encode(&METRICS.registry.gather(), &mut out)
+        .expect("text encoding");
+    String::from_utf8(out).expect("prometheus text is UTF-8")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_family() {
+        record_releases("audit", 2);
+        set_leader(true);
+        let text = render();
+        assert!(
+            text.contains("whereabouts_releases_total{reason=\"audit\"}"),
+            "{text}"
+        );
+        assert!(text.contains("whereabouts_leader 1"));
+        assert!(text.contains("whereabouts_build_info{version="));
+    }
+}

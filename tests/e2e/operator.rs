@@ -1,0 +1,315 @@
+//! The operator process against the real control plane: pod cleanup, audit, NAD reconciliation,
+//! leader election.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::harness::{Ns, OperatorProcess, eventually};
+
+const NS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
+
+/// Flags for an operator whose pools live in `ns`, with a fast audit for tests.
+fn flags(ns: &Ns, leader_election: bool) -> Vec<String> {
+    vec![
+        format!("--pool-namespace={}", ns.name),
+        format!("--leader-election={leader_election}"),
+        "--audit-interval=1s".into(),
+        "--stale-grace=2s".into(),
+    ]
+}
+
+fn status_annotation(ns: &Ns, ips: &[&str]) -> BTreeMap<String, String> {
+    let status = json!([{"name": "cluster-default", "interface": "eth0", "ips": ["10.244.0.9"], "default": true},
+                        {"name": format!("{}/macvlan", ns.name), "interface": "net1", "ips": ips, "default": false}]);
+    BTreeMap::from([(NS_ANNOTATION.to_owned(), status.to_string())])
+}
+
+fn dual(ns: &Ns) -> serde_json::Value {
+    ns.netconf(
+        "1.0.0",
+        json!({"ipRanges": [{"range": "10.70.0.0/24"}, {"range": "fd00:70::/64"}]}),
+    )
+}
+
+/// A pod that got addresses from our plugin, with the network-status Multus would write.
+fn attached_pod(
+    ns: &Ns,
+    name: &str,
+    conf: &serde_json::Value,
+    annotate: bool,
+) -> (String, Vec<String>) {
+    let uid_placeholder = ns.create_pod(name, &BTreeMap::new());
+    let addrs = ns
+        .cni(
+            "ADD",
+            conf,
+            &format!("c-{name}"),
+            "net1",
+            name,
+            &uid_placeholder,
+        )
+        .addresses();
+    if annotate {
+        let ips: Vec<&str> = addrs.iter().map(|a| a.split('/').next().unwrap()).collect();
+        let ann = status_annotation(ns, &ips);
+        let (k, v) = ann.iter().next().unwrap();
+        ns.kubectl_ok(&["annotate", "pod", name, &format!("{k}={v}")]);
+    }
+    (uid_placeholder, addrs)
+}
+
+fn entries(ns: &Ns) -> usize {
+    ns.allocations("10.70.0.0-24").len() + ns.allocations("fd00-70---64").len()
+}
+
+#[test]
+fn deleted_pods_are_released_within_two_seconds() {
+    let ns = Ns::new("op-delete");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let conf = dual(&ns);
+    attached_pod(&ns, "a", &conf, true);
+    let (_, keep) = attached_pod(&ns, "b", &conf, true);
+    assert_eq!(entries(&ns), 4);
+    assert_eq!(ns.reservations().len(), 4);
+    let deleted = Instant::now();
+    ns.kubectl_ok(&["delete", "pod", "a", "--wait=false"]);
+    assert!(
+        eventually(10, || entries(&ns) == 2 && ns.reservations().len() == 2),
+        "not released: {:?}\n{}",
+        ns.allocations("10.70.0.0-24"),
+        op.log()
+    );
+    let took = deleted.elapsed();
+    assert!(took < Duration::from_secs(2), "released after {took:?}");
+    let left = ns.allocations("10.70.0.0-24");
+    assert_eq!(
+        left.values().next().unwrap()["podref"],
+        format!("{}/b", ns.name)
+    );
+    assert_eq!(
+        format!("10.70.0.{}/24", left.keys().next().unwrap()),
+        keep[0]
+    );
+    let metrics = op.get("/metrics").unwrap();
+    assert!(
+        metrics.contains("whereabouts_releases_total{reason=\"pod_deleted\"} 2"),
+        "{metrics}"
+    );
+    let events = ns.kubectl_ok(&[
+        "get",
+        "events",
+        "--field-selector",
+        "reason=AddressReleased",
+        "-o",
+        "jsonpath={.items[*].message}",
+    ]);
+    assert!(
+        events.contains("released 10.70.0.1 (10.70.0.0-24), fd00:70::1 (fd00-70---64) (Deleted)"),
+        "{events}"
+    );
+}
+
+#[test]
+fn a_statefulset_replacement_keeps_its_address() {
+    let ns = Ns::new("op-sts");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let conf = ns.netconf("1.0.0", json!({"range": "10.71.0.0/24"}));
+    let old_uid = ns.create_pod("web-0", &BTreeMap::new());
+    let old = ns
+        .cni("ADD", &conf, "c-old", "net1", "web-0", &old_uid)
+        .addresses();
+    // The replacement takes the name at once and is attached before the operator can act.
+    ns.kubectl_ok(&["delete", "pod", "web-0", "--wait=false"]);
+    let new_uid = ns.create_pod("web-0", &BTreeMap::new());
+    assert_ne!(old_uid, new_uid);
+    let new = ns
+        .cni("ADD", &conf, "c-new", "net1", "web-0", &new_uid)
+        .addresses();
+    let new2 = ns
+        .cni("ADD", &conf, "c-new", "net2", "web-0", &new_uid)
+        .addresses();
+    std::thread::sleep(Duration::from_secs(4)); // event path and two audits have run
+    let pool = ns.allocations("10.71.0.0-24");
+    let ours: Vec<_> = pool
+        .values()
+        .filter(|e| e["poduid"] == new_uid.as_str())
+        .collect();
+    assert_eq!(
+        ours.len(),
+        2,
+        "the new pod's entries survive: {pool:?}\n{}",
+        op.log()
+    );
+    assert_eq!(pool.len(), 2, "nothing of the old pod is left: {pool:?}");
+    assert!(old == new || pool.len() == 2);
+    assert_ne!(new, new2);
+}
+
+#[test]
+fn pods_deleted_while_the_operator_was_down_are_released_after_it_starts() {
+    let ns = Ns::new("op-down");
+    let conf = dual(&ns);
+    attached_pod(&ns, "gone", &conf, true);
+    attached_pod(&ns, "alive", &conf, true);
+    ns.kubectl_ok(&["delete", "pod", "gone"]);
+    // An entry whose pod never existed (a DEL that never came), without a UID.
+    ns.cni("ADD", &conf, "c-ghost", "net1", "ghost", "")
+        .addresses();
+    assert_eq!(entries(&ns), 6);
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    assert!(
+        eventually(15, || entries(&ns) == 2),
+        "{:?}\n{}",
+        ns.allocations("10.70.0.0-24"),
+        op.log()
+    );
+    assert!(
+        eventually(5, || ns.reservations().len() == 2),
+        "{:?}",
+        ns.reservations()
+    );
+    let metrics = op.get("/metrics").unwrap();
+    assert!(
+        metrics.contains("whereabouts_releases_total{reason=\"audit\"} 4"),
+        "{metrics}"
+    );
+    assert!(eventually(5, || op
+        .get("/metrics")
+        .unwrap()
+        .contains("whereabouts_stale_reservations")
+        == false
+        || !op.get("/metrics").unwrap().lines().any(|l| l
+            .starts_with("whereabouts_stale_reservations{")
+            && !l.ends_with(" 0"))));
+}
+
+#[test]
+fn a_force_deleted_pod_without_annotation_is_released() {
+    let ns = Ns::new("op-force");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let conf = ns.netconf("1.0.0", json!({"range": "10.72.0.0/24"}));
+    attached_pod(&ns, "f", &conf, false);
+    ns.kubectl_ok(&["delete", "pod", "f", "--force", "--grace-period=0"]);
+    assert!(
+        eventually(10, || ns.allocations("10.72.0.0-24").is_empty()),
+        "{}",
+        op.log()
+    );
+    assert!(ns.reservations().is_empty());
+}
+
+#[test]
+fn a_pod_on_a_foreign_network_causes_no_write_and_no_error() {
+    let ns = Ns::new("op-foreign");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let conf = ns.netconf("1.0.0", json!({"range": "10.73.0.0/24"}));
+    attached_pod(&ns, "mine", &conf, true);
+    let rv =
+        ns.get_json(&["ippool", "10.73.0.0-24"]).unwrap()["metadata"]["resourceVersion"].clone();
+    let hostlocal = BTreeMap::from([(NS_ANNOTATION.to_owned(), json!([{"name": format!("{}/hostlocal", ns.name), "interface": "net1", "ips": ["10.73.0.1"]}]).to_string())]);
+    ns.create_pod("foreign", &hostlocal);
+    ns.kubectl_ok(&["delete", "pod", "foreign"]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        ns.get_json(&["ippool", "10.73.0.0-24"]).unwrap()["metadata"]["resourceVersion"],
+        rv,
+        "no write to the pool"
+    );
+    assert_eq!(ns.allocations("10.73.0.0-24").len(), 1);
+    let log = op.log();
+    assert!(
+        !log.contains("ERROR") && !log.contains("release failed"),
+        "{log}"
+    );
+}
+
+#[test]
+fn only_the_leader_writes_and_another_replica_takes_over() {
+    let ns = Ns::new("op-leader");
+    let mut a = OperatorProcess::start(ns.dir.path(), "replica-a", &flags(&ns, true));
+    a.wait_ready();
+    assert!(
+        eventually(20, || a
+            .get("/metrics")
+            .unwrap()
+            .contains("whereabouts_leader 1")),
+        "{}",
+        a.log()
+    );
+    let mut b = OperatorProcess::start(ns.dir.path(), "replica-b", &flags(&ns, true));
+    b.wait_ready();
+    let lease = ns.get_json(&["lease", "whereabouts-operator"]).unwrap();
+    assert_eq!(lease["spec"]["holderIdentity"], "replica-a");
+    assert!(b.get("/metrics").unwrap().contains("whereabouts_leader 0"));
+    let conf = ns.netconf("1.0.0", json!({"range": "10.74.0.0/24"}));
+    attached_pod(&ns, "one", &conf, true);
+    attached_pod(&ns, "two", &conf, true);
+    ns.kubectl_ok(&["delete", "pod", "one"]);
+    assert!(eventually(10, || ns.allocations("10.74.0.0-24").len() == 1));
+    assert!(
+        !b.log().contains("released"),
+        "the follower wrote: {}",
+        b.log()
+    );
+    a.kill();
+    ns.kubectl_ok(&["delete", "pod", "two"]);
+    // The Lease of a killed leader expires (15 s) before the follower takes over; its audit then
+    // releases what the missed event would have.
+    assert!(
+        eventually(40, || ns.allocations("10.74.0.0-24").is_empty()),
+        "{}",
+        b.log()
+    );
+    assert_eq!(
+        ns.get_json(&["lease", "whereabouts-operator"]).unwrap()["spec"]["holderIdentity"],
+        "replica-b"
+    );
+}
+
+#[test]
+fn a_dual_stack_nad_creates_both_pools_and_deleting_it_removes_them() {
+    let ns = Ns::new("op-nad");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let config = json!({"cniVersion": "1.0.0", "name": "dual", "type": "macvlan", "master": "eth0",
+        "ipam": {"type": "whereabouts", "network_name": "e2e-nad", "ipRanges": [{"range": "10.75.0.0/24"}, {"range": "fd00:75::/64"}]}});
+    let nad = format!(
+        "apiVersion: k8s.cni.cncf.io/v1\nkind: NetworkAttachmentDefinition\nmetadata:\n  name: dual\n  namespace: {}\nspec:\n  config: '{}'\n",
+        ns.name, config
+    );
+    let out = ns.apply(&nad);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pools = ["e2e-nad-10.75.0.0-24", "e2e-nad-fd00-75---64"];
+    assert!(
+        eventually(10, || pools
+            .iter()
+            .all(|p| ns.get_json(&["ippool", p]).is_some())),
+        "{}",
+        op.log()
+    );
+    let pool = ns.get_json(&["ippool", pools[1]]).unwrap();
+    assert_eq!(pool["spec"]["range"], "fd00:75::/64");
+    assert_eq!(
+        pool["metadata"]["annotations"]["whereabouts.cni.cncf.io/networks"],
+        format!("{}/dual", ns.name)
+    );
+    ns.kubectl_ok(&["delete", "network-attachment-definition", "dual"]);
+    assert!(
+        eventually(40, || pools
+            .iter()
+            .all(|p| ns.get_json(&["ippool", p]).is_none())),
+        "{}",
+        op.log()
+    );
+}
