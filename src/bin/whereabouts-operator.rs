@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use whereabouts::cli::install_cni::InstallCniArgs;
 use whereabouts::cli::run::RunArgs;
 use whereabouts::cli::validate::ValidateArgs;
 
@@ -30,6 +31,9 @@ enum Cmd {
     /// Check NetworkAttachmentDefinitions in files or in the cluster, as the webhook would.
     /// Exit status: 0 all valid, 1 some invalid, 2 usage or read error.
     Validate(ValidateArgs),
+    /// Install the CNI plugin, its flat file and kubeconfig on this node (run by the DaemonSet),
+    /// and keep the kubeconfig current as the ServiceAccount token rotates.
+    InstallCni(InstallCniArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +50,9 @@ fn main() -> ExitCode {
         Cmd::Crds { dir } => exit(crds(dir)),
         Cmd::Run(args) => {
             exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::run::run(args))))
+        }
+        Cmd::InstallCni(args) => {
+            exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::install_cni::run(args))))
         }
         Cmd::Validate(args) => match runtime() {
             Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::validate::validate(args))),

@@ -1,0 +1,455 @@
+//! `whereabouts-operator install-cni`: the node installer a DaemonSet runs on every node.
+//!
+//! It copies the `whereabouts` CNI binary into the host's CNI bin dir, writes the flat file
+//! (`whereabouts.d/whereabouts.conf`) that points the plugin at a kubeconfig, and writes that
+//! kubeconfig with the pod's ServiceAccount token and CA embedded, so the plugin (run by the
+//! container runtime on the host) needs none of the pod's files. Then it keeps checking the token
+//! and the CA (both rotate) and rewrites what changed.
+//!
+//! Every file is written to a temporary file in the target's own directory, fsynced, given its
+//! final mode and renamed over the target: the runtime sees the old file or the new one, never a
+//! half-written binary or kubeconfig. Temporary names start with a dot (the runtime looks plugins
+//! up by exact name) and leftovers of a killed run are removed at the next start.
+
+use std::io::Write as _;
+use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+
+use super::run::parse_duration;
+
+const SA_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// Prefix of every temporary file this installer creates (see [`write_atomic`]).
+pub const TEMP_PREFIX: &str = ".whereabouts-install.";
+
+pub const BINARY_MODE: u32 = 0o755;
+pub const FLAT_FILE_MODE: u32 = 0o644;
+pub const KUBECONFIG_MODE: u32 = 0o600;
+
+/// The flags of `install-cni`, each with a `WHEREABOUTS_<NAME>` environment fallback.
+#[derive(Debug, Clone, clap::Args)]
+pub struct InstallCniArgs {
+    /// Where the host's file system is mounted; every file is written under it.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_HOST_ROOT",
+        default_value = "/host",
+        value_name = "DIR"
+    )]
+    pub host_root: PathBuf,
+    /// The host's CNI bin dir (as seen from the host).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_CNI_BIN_DIR",
+        default_value = "/opt/cni/bin",
+        value_name = "DIR"
+    )]
+    pub cni_bin_dir: PathBuf,
+    /// The host's CNI config dir (as seen from the host); files go to its `whereabouts.d/`.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_CNI_CONF_DIR",
+        default_value = "/etc/cni/net.d",
+        value_name = "DIR"
+    )]
+    pub cni_conf_dir: PathBuf,
+    /// The CNI plugin to install (default: `whereabouts` next to this executable).
+    #[arg(long, env = "WHEREABOUTS_SOURCE_BINARY", value_name = "FILE")]
+    pub source_binary: Option<PathBuf>,
+    /// The pod's ServiceAccount token, embedded in the kubeconfig.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_TOKEN_FILE",
+        default_value = "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        value_name = "FILE"
+    )]
+    pub token_file: PathBuf,
+    /// The cluster CA bundle, embedded in the kubeconfig.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_CA_FILE",
+        default_value = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+        value_name = "FILE"
+    )]
+    pub ca_file: PathBuf,
+    /// The pod's namespace file (the default of --pool-namespace).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_NAMESPACE_FILE",
+        default_value = "/var/run/secrets/kubernetes.io/serviceaccount/namespace",
+        value_name = "FILE"
+    )]
+    pub namespace_file: PathBuf,
+    /// API server URL for the plugin (default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).
+    #[arg(long, env = "WHEREABOUTS_API_SERVER", value_name = "URL")]
+    pub api_server: Option<String>,
+    /// Namespace of the IP pools, written as the kubeconfig context's namespace
+    /// (default: the content of --namespace-file).
+    #[arg(long, env = "WHEREABOUTS_POOL_NAMESPACE", value_name = "NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// `log_level` written into the flat file (debug, verbose, error, panic); none by default.
+    #[arg(long, env = "WHEREABOUTS_LOG_LEVEL", value_name = "LEVEL")]
+    pub log_level: Option<String>,
+    /// How often to check the token and CA for rotation.
+    #[arg(long, env = "WHEREABOUTS_INTERVAL", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    pub interval: Duration,
+    /// Install once and exit.
+    #[arg(long, env = "WHEREABOUTS_ONCE")]
+    pub once: bool,
+}
+
+impl InstallCniArgs {
+    /// Defaults for every flag (what a DaemonSet gets with no flags), without reading the
+    /// environment.
+    pub fn defaults() -> InstallCniArgs {
+        let sa = Path::new(SA_DIR);
+        InstallCniArgs {
+            host_root: "/host".into(),
+            cni_bin_dir: "/opt/cni/bin".into(),
+            cni_conf_dir: "/etc/cni/net.d".into(),
+            source_binary: None,
+            token_file: sa.join("token"),
+            ca_file: sa.join("ca.crt"),
+            namespace_file: sa.join("namespace"),
+            api_server: None,
+            pool_namespace: None,
+            log_level: None,
+            interval: Duration::from_secs(30),
+            once: false,
+        }
+    }
+
+    /// A host path (`/opt/cni/bin`) under --host-root.
+    fn under_root(&self, host_path: &Path) -> PathBuf {
+        self.host_root
+            .join(host_path.strip_prefix("/").unwrap_or(host_path))
+    }
+
+    /// The kubeconfig's path as the host (and so the plugin) sees it.
+    pub fn host_kubeconfig_path(&self) -> PathBuf {
+        self.cni_conf_dir
+            .join("whereabouts.d")
+            .join("whereabouts.kubeconfig")
+    }
+
+    /// Where the binary, the flat file and the kubeconfig are written (under --host-root).
+    pub fn targets(&self) -> Targets {
+        let conf = self.under_root(&self.cni_conf_dir).join("whereabouts.d");
+        Targets {
+            binary: self.under_root(&self.cni_bin_dir).join("whereabouts"),
+            flat_file: conf.join("whereabouts.conf"),
+            kubeconfig: conf.join("whereabouts.kubeconfig"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Targets {
+    pub binary: PathBuf,
+    pub flat_file: PathBuf,
+    pub kubeconfig: PathBuf,
+}
+
+/// What one pass changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub binary: bool,
+    pub flat_file: bool,
+    pub kubeconfig: bool,
+}
+
+/// Installs, then (without --once) re-checks every --interval until SIGTERM or SIGINT. A failed
+/// re-check is logged and retried; only the first pass must succeed.
+pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
+    let targets = args.targets();
+    for dir in [&targets.binary, &targets.kubeconfig] {
+        if let Some(dir) = dir.parent() {
+            remove_stale_temps(dir);
+        }
+    }
+    let report = install_once(&args)?;
+    tracing::info!(
+        binary = %targets.binary.display(),
+        kubeconfig = %targets.kubeconfig.display(),
+        changed = ?report,
+        "installed"
+    );
+    if args.once {
+        return Ok(());
+    }
+    let stop = signal();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => {
+                tracing::info!("shutting down");
+                return Ok(());
+            }
+            () = tokio::time::sleep(args.interval) => {}
+        }
+        match install_once(&args) {
+            Ok(r) if r != Report::default() => tracing::info!(changed = ?r, "updated"),
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %format!("{e:#}"), "update failed; retrying"),
+        }
+    }
+}
+
+async fn signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// One pass: reads the sources, writes each target whose bytes differ.
+pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
+    let targets = args.targets();
+    let source = match &args.source_binary {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()
+            .context("cannot find this executable to locate the plugin; set --source-binary")?
+            .with_file_name("whereabouts"),
+    };
+    let binary = std::fs::read(&source)
+        .with_context(|| format!("--source-binary {}: cannot read", source.display()))?;
+    let kubeconfig = kubeconfig(args)?;
+    let flat = flat_file(args);
+
+    for (dir, flag) in [
+        (targets.binary.parent(), "--cni-bin-dir"),
+        (targets.kubeconfig.parent(), "--cni-conf-dir"),
+    ] {
+        let dir = dir.expect("targets have a parent");
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("{flag}: cannot create {}", dir.display()))?;
+    }
+    Ok(Report {
+        binary: write_atomic(&targets.binary, &binary, BINARY_MODE)
+            .with_context(|| format!("--cni-bin-dir: installing {}", targets.binary.display()))?,
+        kubeconfig: write_atomic(&targets.kubeconfig, kubeconfig.as_bytes(), KUBECONFIG_MODE)
+            .with_context(|| format!("--cni-conf-dir: writing {}", targets.kubeconfig.display()))?,
+        flat_file: write_atomic(&targets.flat_file, flat.as_bytes(), FLAT_FILE_MODE)
+            .with_context(|| format!("--cni-conf-dir: writing {}", targets.flat_file.display()))?,
+    })
+}
+
+/// The flat file: points the plugin at the kubeconfig by its host path.
+pub fn flat_file(args: &InstallCniArgs) -> String {
+    let mut flat = serde_json::json!({"kubernetes": {"kubeconfig": args.host_kubeconfig_path()}});
+    if let Some(level) = &args.log_level {
+        flat["log_level"] = level.as_str().into();
+    }
+    format!("{flat}\n")
+}
+
+fn read_flag(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("{flag} {}: cannot read", path.display()))
+}
+
+/// The API server URL: --api-server, else from the in-cluster service environment.
+pub fn api_server(args: &InstallCniArgs) -> anyhow::Result<String> {
+    if let Some(url) = args.api_server.as_deref().filter(|u| !u.is_empty()) {
+        return Ok(url.to_owned());
+    }
+    let host = std::env::var("KUBERNETES_SERVICE_HOST").unwrap_or_default();
+    let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_default();
+    if host.is_empty() || port.is_empty() {
+        bail!(
+            "--api-server is not set and KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not in the environment"
+        );
+    }
+    Ok(if host.contains(':') {
+        format!("https://[{host}]:{port}")
+    } else {
+        format!("https://{host}:{port}")
+    })
+}
+
+/// The kubeconfig the plugin uses: the token and CA embedded, the pool namespace as the context
+/// namespace.
+pub fn kubeconfig(args: &InstallCniArgs) -> anyhow::Result<String> {
+    let token = String::from_utf8(read_flag(&args.token_file, "--token-file")?)
+        .with_context(|| format!("--token-file {}: not UTF-8", args.token_file.display()))?;
+    let token = token.trim();
+    if token.is_empty() {
+        bail!("--token-file {}: is empty", args.token_file.display());
+    }
+    let ca = read_flag(&args.ca_file, "--ca-file")?;
+    if !String::from_utf8_lossy(&ca).contains("-----BEGIN CERTIFICATE-----") {
+        bail!(
+            "--ca-file {}: holds no PEM certificate",
+            args.ca_file.display()
+        );
+    }
+    let namespace = match args.pool_namespace.as_deref().filter(|n| !n.is_empty()) {
+        Some(ns) => ns.to_owned(),
+        None => {
+            let ns = String::from_utf8_lossy(&read_flag(&args.namespace_file, "--namespace-file")?)
+                .trim()
+                .to_owned();
+            if ns.is_empty() {
+                bail!(
+                    "--namespace-file {}: is empty (or set --pool-namespace)",
+                    args.namespace_file.display()
+                );
+            }
+            ns
+        }
+    };
+    let server = api_server(args)?;
+    // JSON strings are valid YAML double-quoted scalars: no quoting surprises.
+    let q = |s: &str| serde_json::Value::from(s).to_string();
+    Ok(format!(
+        "# Written by whereabouts-operator install-cni for the whereabouts CNI plugin; rewritten when\n\
+         # the ServiceAccount token or the CA changes.\n\
+         apiVersion: v1\n\
+         kind: Config\n\
+         clusters:\n\
+         - name: whereabouts\n\
+         \x20 cluster:\n\
+         \x20   server: {server}\n\
+         \x20   certificate-authority-data: {ca}\n\
+         users:\n\
+         - name: whereabouts\n\
+         \x20 user:\n\
+         \x20   token: {token}\n\
+         contexts:\n\
+         - name: whereabouts\n\
+         \x20 context:\n\
+         \x20   cluster: whereabouts\n\
+         \x20   user: whereabouts\n\
+         \x20   namespace: {namespace}\n\
+         current-context: whereabouts\n",
+        server = q(&server),
+        ca = q(&base64(&ca)),
+        token = q(token),
+        namespace = q(&namespace),
+    ))
+}
+
+/// Standard base64 with padding.
+pub fn base64(data: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Writes `contents` to `target` atomically with `mode`, unless it already holds exactly those
+/// bytes with that mode. Returns whether it wrote.
+pub fn write_atomic(target: &Path, contents: &[u8], mode: u32) -> std::io::Result<bool> {
+    if let Ok(meta) = std::fs::metadata(target)
+        && meta.permissions().mode() & 0o7777 == mode
+        && meta.len() == contents.len() as u64
+        && std::fs::read(target).is_ok_and(|current| current == contents)
+    {
+        return Ok(false);
+    }
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let dir = target.parent().unwrap_or(Path::new("."));
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temp = dir.join(format!(
+        "{TEMP_PREFIX}{name}.{}.{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let written = (|| {
+        // Created owner-only: a kubeconfig's token is never readable by others, not even briefly.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&temp)?;
+        file.write_all(contents)?;
+        file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        file.sync_all()?;
+        drop(file);
+        std::fs::rename(&temp, target)?;
+        // Make the rename itself durable.
+        std::fs::File::open(dir)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written.map(|()| true)
+}
+
+/// Removes temporary files a killed installer left in `dir`.
+pub fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            let path = entry.path();
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    tracing::info!(path = %path.display(), "removed a leftover temporary file")
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a leftover temporary file")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_vectors() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded, "{plain}");
+        }
+        assert_eq!(base64(&[0xff, 0xfe, 0xfd]), "//79");
+    }
+
+    #[test]
+    fn targets_are_under_the_host_root() {
+        let mut args = InstallCniArgs::defaults();
+        args.host_root = "/tmp/h".into();
+        let t = args.targets();
+        assert_eq!(t.binary, Path::new("/tmp/h/opt/cni/bin/whereabouts"));
+        assert_eq!(
+            t.flat_file,
+            Path::new("/tmp/h/etc/cni/net.d/whereabouts.d/whereabouts.conf")
+        );
+        assert_eq!(
+            args.host_kubeconfig_path(),
+            Path::new("/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig")
+        );
+    }
+}
