@@ -21,6 +21,8 @@ pub struct Metrics {
     pub orphans: IntGauge,
     pub leader: IntGauge,
     pub build_info: IntGaugeVec,
+    pub webhook_requests: IntCounterVec,
+    pub webhook_duration: prometheus::Histogram,
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
@@ -41,6 +43,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
         leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
         build_info: register(&r, IntGaugeVec::new(Opts::new("whereabouts_build_info", "Build information."), &["version"]).unwrap()),
+        webhook_requests: register(&r, IntCounterVec::new(Opts::new("whereabouts_webhook_requests_total", "Admission reviews, by operation and result (allowed, denied, error)."), &["operation", "result"]).unwrap()),
+        webhook_duration: register(
+            &r,
+            prometheus::Histogram::with_opts(HistogramOpts::new("whereabouts_webhook_duration_seconds", "Time to answer an admission review.").buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0])).unwrap(),
+        ),
         registry: r,
     };
     m.build_info
@@ -88,6 +95,47 @@ pub fn set_audit(report: &crate::controller::audit::Report) {
         METRICS.stale.with_label_values(&[pool]).set(*n as i64);
     }
     METRICS.orphans.set(report.orphans as i64);
+}
+
+/// Adds a scrape-time collector (the pool and network usage over the operator's caches). A second
+/// registration of the same metric names is ignored.
+pub fn register_collector(c: Box<dyn prometheus::core::Collector>) {
+    if let Err(e) = METRICS.registry.register(c) {
+        tracing::debug!(error = %e, "collector already registered");
+    }
+}
+
+/// The name of every metric the operator can export (series appear once they have a value).
+pub fn defined_names() -> Vec<String> {
+    use prometheus::core::Collector;
+    let m = &*METRICS;
+    let collectors: Vec<&dyn Collector> = vec![
+        &m.releases,
+        &m.release_errors,
+        &m.reconciles,
+        &m.reconcile_duration,
+        &m.stale,
+        &m.orphans,
+        &m.leader,
+        &m.build_info,
+        &m.webhook_requests,
+        &m.webhook_duration,
+    ];
+    let mut names: Vec<String> = collectors
+        .iter()
+        .flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone()))
+        .collect();
+    names.extend(crate::controller::usage::family_names());
+    names
+}
+
+/// One admission review answered.
+pub fn record_webhook(operation: &str, result: &str, took: Duration) {
+    METRICS
+        .webhook_requests
+        .with_label_values(&[operation, result])
+        .inc();
+    METRICS.webhook_duration.observe(took.as_secs_f64());
 }
 
 /// The Prometheus text exposition of every metric.

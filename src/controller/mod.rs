@@ -10,12 +10,13 @@ pub mod audit;
 pub mod cleanup;
 pub mod nads;
 pub mod pools;
+pub mod usage;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::TryStreamExt;
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::Client;
 use kube::api::Api;
@@ -122,20 +123,30 @@ pub async fn run(
     let (pools, pools_w) = reflector::store::<IPPool>();
     let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
     let (jobs_tx, jobs_rx) = mpsc::unbounded_channel::<Job>();
+    crate::metrics::register_collector(Box::new(usage::UsageCollector::new(
+        pools.clone(),
+        nads.clone(),
+    )));
 
     let pod_watch = watcher(Api::<Pod>::all(client.clone()), wc())
         .default_backoff()
         .modify(cleanup::trim)
         .reflect(pods_w);
-    let pod_events = pod_watch.try_for_each({
+    // Watch errors are logged and the watch goes on (the stream backs off and relists): a
+    // transient API failure must never stop the operator.
+    let pod_events = pod_watch.for_each({
         let tx = jobs_tx.clone();
         move |event| {
             let due = match &event {
-                watcher::Event::Delete(p) => Some((p, Trigger::Deleted)),
-                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => {
+                Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
+                Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
                     cleanup::finished(p).map(|t| (p, t))
                 }
-                _ => None,
+                Ok(_) => None,
+                Err(e) => {
+                    tracing::warn!(error = %e, "pod watch failed; retrying");
+                    None
+                }
             };
             if let Some((p, trigger)) = due {
                 let _ = tx.send(Job {
@@ -144,7 +155,7 @@ pub async fn run(
                     attempt: 0,
                 });
             }
-            futures::future::ready(Ok(()))
+            futures::future::ready(())
         }
     });
     let pool_watch = watcher(
@@ -153,14 +164,14 @@ pub async fn run(
     )
     .default_backoff()
     .reflect(pools_w)
-    .try_for_each(|_| futures::future::ready(Ok(())));
+    .for_each(|e| log_watch_error("pool", e));
     let res_watch = watcher(
         Api::<OverlappingRangeIPReservation>::namespaced(client.clone(), &opts.pool_namespace),
         wc(),
     )
     .default_backoff()
     .reflect(res_w)
-    .try_for_each(|_| futures::future::ready(Ok(())));
+    .for_each(|e| log_watch_error("reservation", e));
 
     let (leader, election) = elect(&client, &opts).await?;
     health.election_running.store(true, Ordering::Relaxed);
@@ -206,9 +217,9 @@ pub async fn run(
         );
     };
     tokio::select! {
-        r = pod_events => tracing::error!(?r, "pod watch ended"),
-        r = pool_watch => tracing::error!(?r, "pool watch ended"),
-        r = res_watch => tracing::error!(?r, "reservation watch ended"),
+        () = pod_events => tracing::error!("pod watch ended"),
+        () = pool_watch => tracing::error!("pool watch ended"),
+        () = res_watch => tracing::error!("reservation watch ended"),
         _ = loops => {}
         _ = shutdown => tracing::info!("shutting down"),
     }
@@ -217,6 +228,16 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
     Ok(())
+}
+
+fn log_watch_error<K>(
+    kind: &str,
+    event: Result<watcher::Event<K>, watcher::Error>,
+) -> futures::future::Ready<()> {
+    if let Err(e) = event {
+        tracing::warn!(error = %e, "{kind} watch failed; retrying");
+    }
+    futures::future::ready(())
 }
 
 type ElectionTask = tokio::task::JoinHandle<

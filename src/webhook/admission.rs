@@ -84,7 +84,8 @@ struct Gvk {
 }
 
 /// The verdict on one AdmissionReview request body, as the response AdmissionReview.
-pub fn review(body: &[u8], nads: &NadIndex) -> Result<Value, BadReview> {
+/// Answers one review; returns the operation (for metrics) and the AdmissionReview to send back.
+pub fn review(body: &[u8], nads: &NadIndex) -> Result<(String, Value), BadReview> {
     let review: Review =
         serde_json::from_slice(body).map_err(|e| BadReview::NotJson(e.to_string()))?;
     if review.kind != "AdmissionReview" || review.api_version != API_VERSION {
@@ -107,13 +108,19 @@ pub fn review(body: &[u8], nads: &NadIndex) -> Result<Value, BadReview> {
     }
     // DELETE and CONNECT never make a config worse.
     if !matches!(req.operation.as_str(), "CREATE" | "UPDATE") {
-        return Ok(response(&req.uid, Verdict::default()));
+        return Ok((
+            req.operation.clone(),
+            response(&req.uid, Verdict::default()),
+        ));
     }
     let object = req
         .object
         .as_ref()
         .ok_or_else(|| BadReview::NoObject(format!("{} {}", req.operation, req.name)))?;
-    Ok(response(&req.uid, judge(&req, object, nads)))
+    Ok((
+        req.operation.clone(),
+        response(&req.uid, judge(&req, object, nads)),
+    ))
 }
 
 #[derive(Default)]

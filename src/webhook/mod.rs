@@ -56,10 +56,23 @@ pub fn router(state: WebhookState) -> Router {
 }
 
 async fn validate(State(state): State<WebhookState>, body: Bytes) -> Response {
+    let started = std::time::Instant::now();
     match admission::review(&body, &state.nads) {
-        Ok(answer) => axum::Json(answer).into_response(),
+        Ok((operation, answer)) => {
+            let allowed = answer
+                .pointer("/response/allowed")
+                .and_then(serde_json::Value::as_bool)
+                == Some(true);
+            crate::metrics::record_webhook(
+                &operation,
+                if allowed { "allowed" } else { "denied" },
+                started.elapsed(),
+            );
+            axum::Json(answer).into_response()
+        }
         Err(e) => {
             tracing::debug!(error = %e, "malformed admission request");
+            crate::metrics::record_webhook("unknown", "error", started.elapsed());
             (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
         }
     }

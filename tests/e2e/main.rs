@@ -3,6 +3,8 @@
 
 mod cni;
 mod harness;
+mod install;
+mod metrics;
 mod netns;
 mod operator;
 mod webhook;

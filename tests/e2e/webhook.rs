@@ -217,7 +217,7 @@ fn webhook_rejects_invalid_nads_at_apply_time() {
     }
 
     // Every valid sample is admitted.
-    for sample in yaml_files("config/samples", "") {
+    for sample in yaml_files("config/samples", "whereabouts-") {
         let out = ns.apply(&std::fs::read_to_string(&sample).unwrap());
         assert!(
             out.status.success(),
