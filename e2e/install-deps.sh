@@ -20,6 +20,8 @@ set -euo pipefail
 #   iproute2                     network namespaces / veths for CNI tests
 #   containernetworking-plugins  reference CNI plugins (bridge, loopback, ...)
 #                                that the IPAM plugin is chained with in tests
+#   prometheus                   a real Prometheus scrapes the operator in the
+#                                metrics e2e test; promtool checks the alert rules
 PACKAGES=(
   openssl
   python3
@@ -30,6 +32,7 @@ PACKAGES=(
   procps
   iproute2
   containernetworking-plugins
+  prometheus
 )
 
 if [[ "$(id -u)" != 0 ]]; then
