@@ -61,7 +61,7 @@ is_our_process() {
   exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
   exe="${exe% (deleted)}" # binary replaced by a rebuild while running
   [[ "$exe" == "$BIN_DIR/$name" ]] && return 0
-  tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null | grep -qxF "$BIN_DIR/$name"
+  { tr '\0' '\n' < "/proc/$pid/cmdline"; } 2>/dev/null | grep -qxF "$BIN_DIR/$name"
 }
 
 pid_of() { cat "$STATE_DIR/$1.pid" 2>/dev/null || true; }
@@ -102,6 +102,7 @@ stop_components() {
 start() {
   local name="$1"; shift
   log "starting $name (log: $STATE_DIR/$name.log)"
+  # shellcheck disable=SC2016 # $$, $1 and $@ are for the inner bash
   setsid bash -c 'echo $$ > "$1"; shift; exec "$@"' _ \
     "$STATE_DIR/$name.pid" "$BIN_DIR/$name" "$@" \
     </dev/null >>"$STATE_DIR/$name.log" 2>&1 9<&- &
@@ -176,13 +177,14 @@ EOF
 
 # All keys are ECDSA P-256: generated instantly, and supported by etcd's and
 # Kubernetes' TLS stacks, service-account tokens (ES256) and python's ssl.
-# sign_cert NAME SUBJECT EXTENSIONS: key + cert signed by the cluster CA.
+# sign_cert NAME SUBJECT EXTENSIONS [CA]: key + cert signed by CA (default:
+# the cluster CA "ca").
 sign_cert() {
-  local name="$1" subj="$2" ext="$3"
+  local name="$1" subj="$2" ext="$3" ca="${4:-ca}"
   openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/$name.key"
   openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr"
   printf '%s\n' "$ext" > "$PKI/$name.ext"
-  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/$ca.crt" -CAkey "$PKI/$ca.key" \
     -CAcreateserial -days 365 -sha256 -extfile "$PKI/$name.ext" -out "$PKI/$name.crt"
   rm -f "$PKI/$name.csr" "$PKI/$name.ext"
 }
@@ -216,6 +218,20 @@ extendedKeyUsage=clientAuth"
 "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
+    # Front proxy (aggregation layer): its own CA, as kubeadm does, because
+    # a cert from it can assert any user via X-Remote-User headers. Without
+    # it the controller manager's delegated authn logs "missing content for
+    # CA bundle ...requestheader-client-ca-file" again and again.
+    openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/front-proxy-ca.key"
+    openssl req -x509 -new -key "$PKI/front-proxy-ca.key" -sha256 -days 3650 \
+      -subj "/CN=whereabouts-e2e-front-proxy-ca" \
+      -addext "basicConstraints=critical,CA:TRUE" \
+      -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" \
+      -out "$PKI/front-proxy-ca.crt"
+    sign_cert front-proxy-client "/CN=front-proxy-client" \
+"basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth" front-proxy-ca
     # Service-account token signing key pair.
     openssl ecparam -name prime256v1 -genkey -noout -out "$PKI/sa.key"
     openssl ec -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
@@ -388,6 +404,13 @@ EOF
     --service-account-key-file="$PKI/sa.pub" \
     --service-account-signing-key-file="$PKI/sa.key" \
     --api-audiences="$SA_ISSUER" \
+    --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" \
+    --requestheader-allowed-names=front-proxy-client \
+    --requestheader-username-headers=X-Remote-User \
+    --requestheader-group-headers=X-Remote-Group \
+    --requestheader-extra-headers-prefix=X-Remote-Extra- \
+    --proxy-client-cert-file="$PKI/front-proxy-client.crt" \
+    --proxy-client-key-file="$PKI/front-proxy-client.key" \
     --endpoint-reconciler-type=none \
     --allow-privileged=true \
     --v=1

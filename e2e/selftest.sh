@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# `check && pass ... || fail ...` is fine here: pass always succeeds.
+# shellcheck disable=SC2015
 # Proves that the control plane of e2e/cluster.sh does what the e2e tests need:
 #   readyz, the controller manager (default ServiceAccount, Deployment ->
 #   ReplicaSet -> Pods), Pods stay Pending (no scheduler/kubelet), CRDs,
@@ -258,9 +260,9 @@ if [[ "$KEEP_CLUSTER" != 1 ]]; then
   say "down took $((SECONDS - start)) s"
   alive=""
   for p in $pids; do
-    if [[ -d /proc/$p && "$(awk '{print $3}' /proc/$p/stat 2>/dev/null)" != Z ]]; then alive+=" $p"; fi
+    if [[ -d /proc/$p && "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]]; then alive+=" $p"; fi
   done
-  [[ -z "$alive" ]] && pass "down: no process from the pid files ($(echo $pids)) remains" || fail "down: still alive:$alive"
+  [[ -z "$alive" ]] && pass "down: no process from the pid files (${pids//$'\n'/ }) remains" || fail "down: still alive:$alive"
   [[ ! -e "$STATE_DIR" ]] && pass "down: state folder removed" || fail "down: $STATE_DIR still exists"
   KEEP_CLUSTER=1 # already down; the EXIT trap need not call it again
 fi
