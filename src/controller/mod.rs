@@ -58,6 +58,27 @@ pub struct Context {
 }
 
 impl Context {
+    /// A context over given caches; `run` builds one from its watches, tests from fixtures.
+    pub fn new(
+        client: Client,
+        opts: Options,
+        caches: Caches,
+        leader: watch::Receiver<bool>,
+    ) -> Context {
+        let reporter = Reporter {
+            controller: "whereabouts-operator".into(),
+            instance: Some(opts.identity.clone()),
+        };
+        Context {
+            store: KubeStore::new(client.clone(), &opts.pool_namespace),
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            caches,
+            opts,
+            leader,
+        }
+    }
+
     pub fn is_leader(&self) -> bool {
         *self.leader.borrow()
     }
@@ -175,23 +196,13 @@ pub async fn run(
 
     let (leader, election) = elect(&client, &opts).await?;
     health.election_running.store(true, Ordering::Relaxed);
-    let reporter = Reporter {
-        controller: "whereabouts-operator".into(),
-        instance: Some(opts.identity.clone()),
+    let caches = Caches {
+        pods,
+        nads,
+        pools,
+        reservations,
     };
-    let ctx = Arc::new(Context {
-        store: KubeStore::new(client.clone(), &opts.pool_namespace),
-        recorder: Recorder::new(client.clone(), reporter),
-        client,
-        caches: Caches {
-            pods,
-            nads,
-            pools,
-            reservations,
-        },
-        opts,
-        leader,
-    });
+    let ctx = Arc::new(Context::new(client, opts, caches, leader));
 
     let synced = {
         let (ctx, health) = (ctx.clone(), health.clone());

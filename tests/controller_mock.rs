@@ -1,0 +1,298 @@
+//! The pod-cleanup decisions against a scripted mock API server (tower-test): each scenario lists
+//! exactly the requests the operator must make, in order, and what the API server answers.
+
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use kube::client::Body;
+use kube::runtime::reflector;
+use kube::runtime::watcher::Event;
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tower_test::mock;
+use whereabouts::controller::cleanup::{Trigger, release_pod};
+use whereabouts::controller::{Caches, Context, Options};
+use whereabouts::crd::{IPAllocation, IPPool, IPPoolSpec};
+use whereabouts::ownership::PodIdentity;
+
+type Handle = mock::Handle<Request<Body>, Response<Body>>;
+
+const POOLS: &str = "/apis/whereabouts.cni.cncf.io/v1alpha1/namespaces/kube-system/ippools";
+const RESERVATIONS: &str =
+    "/apis/whereabouts.cni.cncf.io/v1alpha1/namespaces/kube-system/overlappingrangeipreservations";
+
+/// A context whose pool cache holds `pools` and whose API server is the returned mock.
+fn context(pools: Vec<IPPool>, dry_run: bool) -> (Context, Handle) {
+    let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let (pool_store, mut writer) = reflector::store::<IPPool>();
+    for p in pools {
+        writer.apply_watcher_event(&Event::Apply(p));
+    }
+    let caches = Caches {
+        pods: reflector::store().0,
+        nads: reflector::store().0,
+        pools: pool_store,
+        reservations: reflector::store().0,
+    };
+    let opts = Options {
+        pool_namespace: "kube-system".into(),
+        audit_interval: Duration::from_secs(300),
+        stale_grace: Duration::from_secs(60),
+        dry_run,
+        leader_election: false,
+        identity: "test".into(),
+    };
+    let (tx, rx) = watch::channel(true);
+    std::mem::forget(tx);
+    (Context::new(client, opts, caches, rx), handle)
+}
+
+fn pool(entries: &[(u128, &str, &str)]) -> IPPool {
+    let mut p = IPPool::new(
+        "10.0.0.0-24",
+        IPPoolSpec {
+            range: "10.0.0.0/24".into(),
+            allocations: Default::default(),
+        },
+    );
+    p.metadata.namespace = Some("kube-system".into());
+    for (offset, podref, uid) in entries {
+        p.spec.allocations.insert(
+            offset.to_string(),
+            IPAllocation {
+                id: format!("c{offset}"),
+                podref: (*podref).into(),
+                poduid: (*uid).into(),
+                ..Default::default()
+            },
+        );
+    }
+    p
+}
+
+fn pod(uid: &str) -> PodIdentity {
+    PodIdentity {
+        podref: "ns/a".into(),
+        uid: uid.into(),
+        addresses: vec![],
+    }
+}
+
+/// One expected request and the answer to give.
+struct Call {
+    method: Method,
+    path: String,
+    /// Checks the request body (JSON, or null when empty).
+    body: fn(&Value),
+    status: StatusCode,
+    answer: Value,
+}
+
+fn any(_: &Value) {}
+
+/// Serves `calls` in order, failing on any other request; then checks nothing else is asked.
+async fn serve(mut handle: Handle, calls: Vec<Call>) {
+    for call in calls {
+        let (req, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+            .await
+            .expect("a request in time")
+            .expect("the client is alive");
+        assert_eq!(
+            (req.method(), req.uri().path()),
+            (&call.method, call.path.as_str()),
+            "unexpected request order"
+        );
+        let bytes = req.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap()
+        };
+        (call.body)(&body);
+        send.send_response(
+            Response::builder()
+                .status(call.status)
+                .body(Body::from(serde_json::to_vec(&call.answer).unwrap()))
+                .unwrap(),
+        );
+    }
+    let extra = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
+    assert!(
+        !matches!(extra, Ok(Some(_))),
+        "a request nobody expected: {:?}",
+        extra
+            .ok()
+            .flatten()
+            .map(|(r, _)| format!("{} {}", r.method(), r.uri()))
+    );
+}
+
+fn reservation(podref: &str) -> Value {
+    json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+           "metadata": {"name": "10.0.0.5", "namespace": "kube-system", "uid": "r-1"}, "spec": {"podref": podref, "containerid": "c5"}})
+}
+
+fn event_answer() -> Value {
+    json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e", "namespace": "ns"}, "eventTime": "2026-01-01T00:00:00.000000Z"})
+}
+
+#[tokio::test]
+async fn a_deleted_pods_entry_is_removed_conditionally_then_its_reservation() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua"), (6, "ns/b", "ub")])], false);
+    let calls = vec![
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: |b| {
+                assert_eq!(
+                    b,
+                    &json!([{"op": "test", "path": "/spec/allocations/5/id", "value": "c5"},
+                            {"op": "test", "path": "/spec/allocations/5/podref", "value": "ns/a"},
+                            {"op": "remove", "path": "/spec/allocations/5"}])
+                )
+            },
+            status: StatusCode::OK,
+            answer: serde_json::to_value(pool(&[(6, "ns/b", "ub")])).unwrap(),
+        },
+        Call {
+            method: Method::GET,
+            path: format!("{RESERVATIONS}/10.0.0.5"),
+            body: any,
+            status: StatusCode::OK,
+            answer: reservation("ns/a"),
+        },
+        Call {
+            method: Method::DELETE,
+            path: format!("{RESERVATIONS}/10.0.0.5"),
+            body: |b| {
+                assert_eq!(
+                    b["preconditions"]["uid"], "r-1",
+                    "deleted only if still the reservation we read"
+                )
+            },
+            status: StatusCode::OK,
+            answer: reservation("ns/a"),
+        },
+        Call {
+            method: Method::POST,
+            path: "/apis/events.k8s.io/v1/namespaces/ns/events".into(),
+            body: |b| {
+                assert!(
+                    b["note"]
+                        .as_str()
+                        .unwrap()
+                        .contains("released 10.0.0.5 (10.0.0.0-24)"),
+                    "{b}"
+                )
+            },
+            status: StatusCode::CREATED,
+            answer: event_answer(),
+        },
+    ];
+    let server = tokio::spawn(serve(handle, calls));
+    let outcome = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.released["10.0.0.0-24"],
+        vec!["10.0.0.5".parse::<std::net::IpAddr>().unwrap()]
+    );
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_statefulset_replacements_entry_causes_no_request() {
+    // Same name, newer pod: the entry carries the new UID.
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "new-uid")])], false);
+    let server = tokio::spawn(serve(handle, vec![]));
+    let outcome = release_pod(&ctx, &pod("old-uid"), Trigger::Deleted)
+        .await
+        .unwrap();
+    assert_eq!(outcome.found, 0);
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_entry_rebound_after_the_cache_was_read_is_left_alone() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
+    // The pool changed since the cache saw it: the test op fails (422) and nothing else follows.
+    let calls = vec![Call {
+        method: Method::PATCH,
+        path: format!("{POOLS}/10.0.0.0-24"),
+        body: any,
+        status: StatusCode::UNPROCESSABLE_ENTITY,
+        answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 422, "reason": "Invalid", "message": "testing value /spec/allocations/5/id failed"}),
+    }];
+    let server = tokio::spawn(serve(handle, calls));
+    let outcome = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap();
+    assert!(outcome.released.values().all(Vec::is_empty), "{outcome:?}");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reservation_held_by_another_pod_is_kept() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
+    let calls = vec![
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: any,
+            status: StatusCode::OK,
+            answer: serde_json::to_value(pool(&[])).unwrap(),
+        },
+        Call {
+            method: Method::GET,
+            path: format!("{RESERVATIONS}/10.0.0.5"),
+            body: any,
+            status: StatusCode::OK,
+            answer: reservation("ns/other"),
+        },
+        Call {
+            method: Method::POST,
+            path: "/apis/events.k8s.io/v1/namespaces/ns/events".into(),
+            body: any,
+            status: StatusCode::CREATED,
+            answer: event_answer(),
+        },
+    ];
+    let server = tokio::spawn(serve(handle, calls));
+    release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dry_run_writes_nothing() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], true);
+    let server = tokio::spawn(serve(handle, vec![]));
+    let outcome = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap();
+    assert_eq!(outcome.found, 1);
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_api_failure_is_an_error_for_the_retry_queue() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
+    // Forbidden is not transient: one attempt, then the error goes back to the worker's backoff.
+    let calls = vec![Call {
+        method: Method::PATCH,
+        path: format!("{POOLS}/10.0.0.0-24"),
+        body: any,
+        status: StatusCode::FORBIDDEN,
+        answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403, "reason": "Forbidden", "message": "ippools is forbidden"}),
+    }];
+    let server = tokio::spawn(serve(handle, calls));
+    let err = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "forbidden");
+    assert!(err.to_string().contains("ippools is forbidden"), "{err}");
+    server.await.unwrap();
+}
