@@ -19,12 +19,17 @@ e2e:
 
 crds:
 	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
+	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml config/crd/
 
 build:
 	$(CARGO) build --bins
 
 release:
 	$(CARGO) build --release --bins
+
+# The README's demo: a local control plane, the operator, the webhook, sample NADs, pods; cleans up.
+demo:
+	e2e/demo.sh
 
 # Everything a fresh Debian machine needs for `make test` (apt packages, Go modules, Rust components).
 deps:

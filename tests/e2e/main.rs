@@ -4,6 +4,7 @@
 mod cni;
 mod harness;
 mod install;
+mod install;
 mod metrics;
 mod netns;
 mod operator;

@@ -1,0 +1,327 @@
+//! The install pieces against the real control plane: `config/default` renders and the API server
+//! accepts every object (server-side dry run); the node installer writes a working kubeconfig
+//! into a temporary host root and follows token rotation.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::json;
+
+use crate::harness::{Ns, admin_kubeconfig, eventually, kubectl_raw, repo, whereabouts_bin};
+
+fn kustomize(dir: &str) -> Vec<serde_yaml::Value> {
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &["kustomize", repo().join(dir).to_str().unwrap()],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .filter(|v: &serde_yaml::Value| !v.is_null())
+        .collect()
+}
+
+fn find<'a>(objects: &'a [serde_yaml::Value], kind: &str, name: &str) -> &'a serde_yaml::Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{kind}/{name} not rendered"))
+}
+
+#[test]
+fn config_default_renders_and_the_server_accepts_every_object() {
+    let objects = kustomize("config/default");
+    assert!(objects.len() >= 20, "{} objects", objects.len());
+
+    // Least privilege: no wildcard anywhere in a role.
+    for role in objects
+        .iter()
+        .filter(|o| o["kind"] == "Role" || o["kind"] == "ClusterRole")
+    {
+        for rule in role["rules"].as_sequence().unwrap() {
+            for key in ["verbs", "resources", "apiGroups"] {
+                let values = rule[key].as_sequence().unwrap();
+                assert!(
+                    !values.iter().any(|v| v == "*"),
+                    "{:?}: wildcard in {key}",
+                    role["metadata"]["name"]
+                );
+            }
+        }
+    }
+    // The operator: two replicas, leader election, hardened, probes on the admin port.
+    let op = find(&objects, "Deployment", "whereabouts-operator");
+    assert_eq!(op["spec"]["replicas"], 2);
+    let pod = &op["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    let c = &pod["containers"][0];
+    assert!(
+        c["args"]
+            .as_sequence()
+            .unwrap()
+            .contains(&"--leader-election=true".into())
+    );
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
+    // The webhook Service is next to the pods it selects, and the webhook configuration points at it.
+    let svc = find(&objects, "Service", "whereabouts-webhook");
+    assert_eq!(svc["metadata"]["namespace"], "whereabouts-system");
+    let vwc = find(
+        &objects,
+        "ValidatingWebhookConfiguration",
+        "whereabouts-nad-validation",
+    );
+    assert_eq!(
+        vwc["webhooks"][0]["clientConfig"]["service"]["namespace"],
+        "whereabouts-system"
+    );
+    let ds = find(&objects, "DaemonSet", "whereabouts-node");
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["serviceAccountName"],
+        "whereabouts-node"
+    );
+
+    // The server-side dry run. Objects in whereabouts-system need the namespace to exist (a dry
+    // run does not create it), so it is created for real; nothing else is persisted.
+    let _ = kubectl_raw(
+        admin_kubeconfig(),
+        &["create", "namespace", "whereabouts-system"],
+        None,
+    );
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &[
+            "apply",
+            "--dry-run=server",
+            "-k",
+            repo().join("config/default").to_str().unwrap(),
+        ],
+        None,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "server dry run rejected objects:\n{}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let accepted = stdout
+        .lines()
+        .filter(|l| l.ends_with("(server dry run)"))
+        .count();
+    assert_eq!(accepted, objects.len(), "{stdout}");
+    // Nothing was created.
+    let get = kubectl_raw(
+        admin_kubeconfig(),
+        &[
+            "get",
+            "deployment",
+            "-n",
+            "whereabouts-system",
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert_eq!(String::from_utf8_lossy(&get.stdout).trim(), "");
+}
+
+#[test]
+fn the_sample_nads_are_accepted() {
+    let objects = kustomize("config/samples");
+    assert_eq!(objects.len(), 5);
+    let ns = Ns::new("samples");
+    let out = ns.kubectl(
+        &[
+            "apply",
+            "--dry-run=server",
+            "-k",
+            repo().join("config/samples").to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+/// A ServiceAccount with exactly the node plugin's Role from config/rbac (in the test namespace)
+/// and a fresh token for it.
+fn node_identity(ns: &Ns) -> impl Fn() -> String + '_ {
+    let rbac = std::fs::read_to_string(repo().join("config/rbac/node.yaml")).unwrap();
+    let role: serde_yaml::Value = serde_yaml::Deserializer::from_str(&rbac)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .find(|v: &serde_yaml::Value| v["kind"] == "Role")
+        .unwrap();
+    let rules: serde_json::Value = serde_json::to_value(&role["rules"]).unwrap();
+    ns.kubectl_ok(&["create", "serviceaccount", "node"]);
+    let objects = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": "node", "namespace": ns.name}, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "node", "namespace": ns.name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "node"},
+         "subjects": [{"kind": "ServiceAccount", "name": "node", "namespace": ns.name}]}]});
+    let out = ns.apply(&objects.to_string());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    move || {
+        ns.kubectl_ok(&["create", "token", "node", "--duration=10m"])
+            .trim()
+            .to_owned()
+    }
+}
+
+fn cluster_env(key: &str) -> String {
+    let state = std::env::var("WHEREABOUTS_E2E_STATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join("e2e/.state"));
+    let env = std::fs::read_to_string(state.join("cluster.env")).unwrap();
+    env.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("{key} not in cluster.env"))
+        .to_owned()
+}
+
+fn install_cni(host: &Path, sa: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"));
+    cmd.arg("install-cni")
+        .arg(format!("--host-root={}", host.display()))
+        .arg(format!("--source-binary={}", whereabouts_bin().display()))
+        .arg(format!("--token-file={}", sa.join("token").display()))
+        .arg(format!("--ca-file={}", sa.join("ca.crt").display()))
+        .arg(format!(
+            "--namespace-file={}",
+            sa.join("namespace").display()
+        ))
+        .arg(format!("--api-server={}", cluster_env("APISERVER_URL")))
+        .args(extra)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+#[test]
+fn install_cni_into_a_temporary_host_root() {
+    let ns = Ns::new("install");
+    let token = node_identity(&ns);
+    let dir = ns.dir.path();
+    let host = dir.join("host");
+    let sa = dir.join("sa");
+    std::fs::create_dir_all(&sa).unwrap();
+    let first = token();
+    std::fs::write(sa.join("token"), &first).unwrap();
+    std::fs::copy(cluster_env("CA_CERT"), sa.join("ca.crt")).unwrap();
+    std::fs::write(sa.join("namespace"), &ns.name).unwrap();
+
+    let out = install_cni(&host, &sa, &["--once"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "install-cni --once: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bin = host.join("opt/cni/bin/whereabouts");
+    let conf_dir = host.join("etc/cni/net.d/whereabouts.d");
+    let flat = conf_dir.join("whereabouts.conf");
+    let kubeconfig = conf_dir.join("whereabouts.kubeconfig");
+    assert_eq!(
+        std::fs::read(&bin).unwrap(),
+        std::fs::read(whereabouts_bin()).unwrap()
+    );
+    assert_eq!(mode(&bin), 0o755);
+    assert_eq!(mode(&flat), 0o644);
+    assert_eq!(mode(&kubeconfig), 0o600);
+    let flat_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&flat).unwrap()).unwrap();
+    assert_eq!(
+        flat_json,
+        json!({"kubernetes": {"kubeconfig": "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig"}})
+    );
+    let kc = std::fs::read_to_string(&kubeconfig).unwrap();
+    assert!(kc.contains(&format!("token: \"{first}\"")));
+    assert!(kc.contains(&format!("namespace: \"{}\"", ns.name)));
+    for d in [bin.parent().unwrap(), conf_dir.as_path()] {
+        let temps: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
+            .collect();
+        assert!(temps.is_empty(), "{temps:?}");
+    }
+
+    // The installed plugin works with the installed kubeconfig and only the node's rights. The
+    // flat file names the kubeconfig by its host path; here the host is a directory, so a flat
+    // file pointing into it stands in.
+    let test_flat = dir.join("flat.conf");
+    std::fs::write(
+        &test_flat,
+        json!({"kubernetes": {"kubeconfig": kubeconfig}}).to_string(),
+    )
+    .unwrap();
+    let conf = json!({"cniVersion": "1.0.0", "name": "install", "type": "bridge",
+        "ipam": {"type": "whereabouts", "range": "10.77.0.0/24", "configuration_path": test_flat}});
+    let uid = ns.create_pod("p", &Default::default());
+    let add = crate::harness::CniCall {
+        command: "ADD",
+        conf: &conf,
+        container: "c-install",
+        ifname: "net1",
+        netns: "/var/run/netns/none",
+        args: &format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=p;K8S_POD_UID={uid}",
+            ns.name
+        ),
+        path: None,
+    };
+    let result = crate::harness::Cni::from(add.spawn(bin.clone()).wait_with_output().unwrap());
+    assert_eq!(result.addresses(), vec!["10.77.0.1/24".to_owned()]);
+    assert_eq!(ns.allocations("10.77.0.0-24").len(), 1);
+
+    // Token rotation, followed by the long-running installer.
+    let mut child = install_cni(&host, &sa, &["--interval=1s"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let second = token();
+    assert_ne!(first, second);
+    std::fs::write(sa.join("token"), &second).unwrap();
+    let rotated = eventually(10, || {
+        std::fs::read_to_string(&kubeconfig)
+            .unwrap()
+            .contains(&format!("token: \"{second}\""))
+    });
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status();
+    let status = child.wait().unwrap();
+    let mut log = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut log).unwrap();
+    assert!(
+        rotated,
+        "kubeconfig not updated after token rotation:\n{log}"
+    );
+    assert!(
+        status.success(),
+        "installer exit on SIGTERM: {status}\n{log}"
+    );
+    assert_eq!(mode(&kubeconfig), 0o600);
+}
