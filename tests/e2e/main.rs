@@ -4,7 +4,6 @@
 mod cni;
 mod harness;
 mod install;
-mod install;
 mod metrics;
 mod netns;
 mod operator;
