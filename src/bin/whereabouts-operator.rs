@@ -26,7 +26,7 @@ enum Cmd {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
-    /// Run the operator: the admission webhook (when a certificate is given) and the admin port.
+    /// Run the operator: pod cleanup, pool audit, NAD/pool reconciliation, the admission webhook (when a certificate is given) and the admin port.
     Run(RunArgs),
     /// Check NetworkAttachmentDefinitions in files or in the cluster, as the webhook would.
     /// Exit status: 0 all valid, 1 some invalid, 2 usage or read error.

@@ -1,9 +1,10 @@
 //! `whereabouts-operator run`: the long-running operator process.
 //!
 //! Each component is a task that runs until the shared shutdown signal (SIGTERM or SIGINT) fires:
-//! today the admin port (probes), the NAD watch cache and the admission webhook; the controllers
-//! (pod cleanup, pool audit) are added as further tasks. When any task fails, the others are told
-//! to stop and the process exits non-zero.
+//! the admin port (probes and metrics), the NAD watch cache (shared by the webhook and the NAD
+//! controller), the admission webhook when a certificate is given, and the controllers (pod
+//! cleanup, pool audit, NAD/pool reconciliation, leader election). When any task fails, the others
+//! are told to stop and the process exits non-zero.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -26,7 +27,7 @@ use crate::webhook::{self, WebhookState, tls::CertFiles};
 /// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
-    /// Plain-HTTP address for /livez and /readyz.
+    /// Plain-HTTP address for /metrics, /livez and /readyz.
     #[arg(
         long,
         env = "WHEREABOUTS_ADMIN_ADDR",
@@ -61,7 +62,7 @@ pub struct RunArgs {
     /// Namespace of the IP pools (default: the kubeconfig context's namespace, else kube-system).
     #[arg(long, env = "WHEREABOUTS_POOL_NAMESPACE", value_name = "NAMESPACE")]
     pub pool_namespace: Option<String>,
-    /// How often the pool audit runs (applies to the pool audit).
+    /// How often the pool audit looks for entries whose pod is gone and for orphan reservations.
     #[arg(long, env = "WHEREABOUTS_AUDIT_INTERVAL", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
     pub audit_interval: Duration,
     /// How long an allocation must look stale before the pool audit frees it.

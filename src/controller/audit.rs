@@ -125,13 +125,7 @@ impl Auditor {
     }
 
     pub async fn run_once(&mut self, ctx: &Context) -> Result<Report, StoreError> {
-        let pools: Vec<PoolView> = ctx
-            .caches
-            .pools
-            .state()
-            .iter()
-            .filter_map(|p| PoolView::from_pool(p))
-            .collect();
+        let pools = ctx.pool_views();
         let live = live_pods(ctx);
         let stale = stale_entries(&pools, &live);
         let mut report = Report::default();

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodStatus};
 use kube::ResourceExt;
 
 use super::Context;
-use super::pools::{PoolView, entries_of_pod};
+use super::pools::entries_of_pod;
 use crate::cni::allocate::release_entries;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status, secondary_addresses,
@@ -113,13 +113,7 @@ pub async fn release_pod(
     pod: &PodIdentity,
     trigger: Trigger,
 ) -> Result<Outcome, StoreError> {
-    let pools: Vec<PoolView> = ctx
-        .caches
-        .pools
-        .state()
-        .iter()
-        .filter_map(|p| PoolView::from_pool(p))
-        .collect();
+    let pools = ctx.pool_views();
     let mut outcome = Outcome::default();
     for (view, entries) in entries_of_pod(&pools, pod) {
         outcome.found += entries.len();

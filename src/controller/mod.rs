@@ -79,6 +79,16 @@ impl Context {
         }
     }
 
+    /// The cached pools that parse (see [`pools::PoolView::from_pool`]).
+    pub fn pool_views(&self) -> Vec<pools::PoolView> {
+        self.caches
+            .pools
+            .state()
+            .iter()
+            .filter_map(|p| pools::PoolView::from_pool(p))
+            .collect()
+    }
+
     pub fn is_leader(&self) -> bool {
         *self.leader.borrow()
     }

@@ -4,23 +4,13 @@
 //! the ValidatingWebhookConfiguration points at it by URL and is scoped with a namespaceSelector to
 //! this test's namespace, so tests running in parallel elsewhere never reach it.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::harness::{Ns, admin_kubeconfig, kubectl_raw, repo};
+use crate::harness::{Ns, OperatorProcess, admin_kubeconfig, free_port, kubectl_raw, repo};
 
 const LABEL: &str = "whereabouts-e2e-webhook";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Mints a CA and a certificate for 127.0.0.1 into `dir`; returns the base64 caBundle.
 fn mint(dir: &Path) -> String {
@@ -35,77 +25,6 @@ fn mint(dir: &Path) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
-}
-
-/// The operator process; killed when the test ends, even on panic.
-struct Operator {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Operator {
-    fn start(dir: &Path, webhook_port: u16, admin_port: u16) -> Operator {
-        let log = dir.join("operator.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
-            .args(["run", "--leader-election=false"])
-            .arg(format!("--webhook-addr=127.0.0.1:{webhook_port}"))
-            .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
-            .arg("--tls-cert-file")
-            .arg(dir.join("tls.crt"))
-            .arg("--tls-key-file")
-            .arg(dir.join("tls.key"))
-            .env("KUBECONFIG", admin_kubeconfig())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start whereabouts-operator");
-        Operator { child, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until /readyz on the admin port answers 200.
-    fn wait_ready(&mut self, admin_port: u16) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("operator exited with {status}: {}", self.log());
-            }
-            if http_get(admin_port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "operator not ready in 30 s: {:?}\n{}",
-                http_get(admin_port, "/readyz"),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
 }
 
 /// The cluster-scoped webhook registration; deleted when the test ends, even on panic.
@@ -193,9 +112,16 @@ fn webhook_rejects_invalid_nads_at_apply_time() {
     ]);
     let certs = tempfile::tempdir().unwrap();
     let ca_bundle = mint(certs.path());
-    let (webhook_port, admin_port) = (free_port(), free_port());
-    let mut operator = Operator::start(certs.path(), webhook_port, admin_port);
-    operator.wait_ready(admin_port);
+    let webhook_port = free_port();
+    let flags = [
+        "--leader-election=false".to_owned(),
+        format!("--pool-namespace={}", ns.name),
+        format!("--webhook-addr=127.0.0.1:{webhook_port}"),
+        format!("--tls-cert-file={}", certs.path().join("tls.crt").display()),
+        format!("--tls-key-file={}", certs.path().join("tls.key").display()),
+    ];
+    let mut operator = OperatorProcess::start(certs.path(), "operator", &flags);
+    operator.wait_ready();
     let _registration = Registration::create(&ns.name, webhook_port, &ca_bundle);
 
     // The API server picks the registration up asynchronously: wait until a bad NAD is denied.
