@@ -159,3 +159,61 @@ fn certificate_pairs_are_checked_before_use() {
     let missing = CertFiles::new(dir.path().join("nope.crt"), dir.path().join("tls.key"));
     assert!(missing.load().unwrap_err().to_string().contains("nope.crt"));
 }
+
+/// Runs `openssl s_client` with one protocol version forced; true when the handshake completes.
+fn handshake_with(addr: SocketAddr, dir: &Path, version: &str) -> bool {
+    let out = Command::new("openssl")
+        // SECLEVEL=0 lets the client itself offer old versions, so a refusal is the server's.
+        .args([
+            "s_client",
+            version,
+            "-cipher",
+            "DEFAULT:@SECLEVEL=0",
+            "-connect",
+            &addr.to_string(),
+            "-CAfile",
+        ])
+        .arg(dir.join("ca.crt"))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("openssl CLI");
+    let text = String::from_utf8_lossy(&out.stdout);
+    out.status.success() && text.contains("Verify return code: 0 (ok)")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_tls_1_2_and_newer_are_spoken() {
+    let dir = tempfile::tempdir().unwrap();
+    mint(dir.path());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let files = CertFiles::new(dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
+    let server = tokio::spawn(webhook::tls::serve(
+        listener,
+        files,
+        app,
+        Arc::new(AtomicBool::new(false)),
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    let d = dir.path().to_owned();
+    let results = tokio::task::spawn_blocking(move || {
+        ["-tls1", "-tls1_1", "-tls1_2", "-tls1_3"].map(|v| handshake_with(addr, &d, v))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        results,
+        [false, false, true, true],
+        "TLS 1.0, 1.1 refused; 1.2, 1.3 served"
+    );
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(15), server)
+        .await
+        .expect("graceful shutdown")
+        .unwrap()
+        .unwrap();
+}
