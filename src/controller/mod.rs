@@ -301,52 +301,64 @@ async fn elect(
     Ok((rx, Some(task)))
 }
 
+/// How many pods are released at once. Releases of different entries never conflict (each write
+/// is conditional on its own entry), so a burst of deletions is worked off in parallel.
+const CLEANUP_CONCURRENCY: usize = 16;
+
 /// Releases due pods' addresses. Errors and empty results that may be cache lag are retried with
 /// exponential backoff a bounded number of times; the audit catches anything left.
 async fn cleanup_worker(
     ctx: Arc<Context>,
-    mut rx: mpsc::UnboundedReceiver<Job>,
+    rx: mpsc::UnboundedReceiver<Job>,
     tx: mpsc::UnboundedSender<Job>,
 ) {
-    while let Some(job) = rx.recv().await {
-        if !ctx.is_leader() {
-            continue;
+    let jobs = futures::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|job| (job, rx)) },
+    );
+    jobs.for_each_concurrent(CLEANUP_CONCURRENCY, |job| {
+        cleanup_one(ctx.clone(), job, tx.clone())
+    })
+    .await;
+}
+
+async fn cleanup_one(ctx: Arc<Context>, job: Job, tx: mpsc::UnboundedSender<Job>) {
+    if !ctx.is_leader() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let result = cleanup::release_pod(&ctx, &job.pod, job.trigger).await;
+    let retry = match &result {
+        Ok(o) => {
+            if o.found > 0 {
+                tracing::info!(pod = %job.pod.podref, released = ?o.released, trigger = ?job.trigger, "released");
+            }
+            // The pod's network-status names addresses the pool cache does not show yet.
+            o.found == 0 && !job.pod.addresses.is_empty() && job.attempt < 2
         }
-        let started = std::time::Instant::now();
-        let result = cleanup::release_pod(&ctx, &job.pod, job.trigger).await;
-        let retry = match &result {
-            Ok(o) => {
-                if o.found > 0 {
-                    tracing::info!(pod = %job.pod.podref, released = ?o.released, trigger = ?job.trigger, "released");
-                }
-                // The pod's network-status names addresses the pool cache does not show yet.
-                o.found == 0 && !job.pod.addresses.is_empty() && job.attempt < 2
-            }
-            Err(e) => {
-                tracing::warn!(pod = %job.pod.podref, error = %e, "release failed; retrying");
-                crate::metrics::record_release_error("pod_deleted");
-                ctx.event(
-                    &cleanup::reference(&job.pod),
-                    true,
-                    "ReleaseFailed",
-                    &e.to_string(),
-                )
-                .await;
-                job.attempt < 8
-            }
-        };
-        crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), started.elapsed());
-        if retry {
-            let tx = tx.clone();
-            let delay = Duration::from_millis(500u64 << job.attempt.min(6));
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                let _ = tx.send(Job {
-                    attempt: job.attempt + 1,
-                    ..job
-                });
+        Err(e) => {
+            tracing::warn!(pod = %job.pod.podref, error = %e, "release failed; retrying");
+            crate::metrics::record_release_error("pod_deleted");
+            ctx.event(
+                &cleanup::reference(&job.pod),
+                true,
+                "ReleaseFailed",
+                &e.to_string(),
+            )
+            .await;
+            job.attempt < 8
+        }
+    };
+    crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), started.elapsed());
+    if retry {
+        let delay = Duration::from_millis(500u64 << job.attempt.min(6));
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = tx.send(Job {
+                attempt: job.attempt + 1,
+                ..job
             });
-        }
+        });
     }
 }
 
