@@ -272,3 +272,23 @@ fn wrong_types_never_panic() {
         assert!(!r.errors.is_empty(), "{v}");
     }
 }
+
+#[test]
+fn a_bad_exclude_does_not_hide_other_problems_of_the_range() {
+    let e = errors(
+        json!({"range": "10.50.0.0/24", "range_start": "10.60.0.10", "exclude": ["not-an-address", "2001::/64"]}),
+    );
+    assert_eq!(
+        e,
+        vec![
+            r#"ipam.exclude[0] "not-an-address" is not a CIDR or IP address"#,
+            r#"ipam.range_start "10.60.0.10" is outside range 10.50.0.0/24"#,
+        ]
+    );
+    // Positions in problems refer to the list as written, even when an earlier entry was bad.
+    let e = errors(json!({"range": "10.50.0.0/24", "exclude": ["nope", "2001::/64"]}));
+    assert_eq!(
+        e[1],
+        r#"ipam.exclude[1] "2001::/64" is not of the same address family as range 10.50.0.0/24"#
+    );
+}

@@ -22,18 +22,10 @@ use super::protocol::Attachment;
 use crate::config::RangeConfig;
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::ipam::naming::reservation_name;
-use crate::store::{Pool, Precondition, Store, StoreError, Write};
+use crate::store::{Pool, Store, StoreError, Write};
 
 /// Attempts per range before giving up with "try again later".
 const MAX_CONFLICTS: u32 = 400;
-
-/// How pool entries are written: per key (ours) or per whole pool (upstream's model).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PoolWrites {
-    #[default]
-    KeyAbsent,
-    ResourceVersion,
-}
 
 #[derive(Debug, Error)]
 pub enum AllocError {
@@ -58,7 +50,6 @@ pub enum AllocError {
 pub struct Scope<'a> {
     pub network_name: Option<&'a str>,
     pub overlapping: bool,
-    pub writes: PoolWrites,
 }
 
 impl Attachment {
@@ -136,6 +127,13 @@ pub async fn allocate<S: Store>(
 
 /// Claims `offset` and records it in the pool: `Ok(Ok(ip))`, or `Ok(Err(claim))` saying how the
 /// address was lost.
+///
+/// The pool write is conditional on the pool's resourceVersion, which the API server checks before
+/// doing anything else: a stale write costs one cheap 409, not a retry loop inside the API server.
+/// Many concurrent writers of one pool would still each need their own winning turn, so after a
+/// lost write the loser records, together with its own entry, every claim of this pool whose
+/// entry is still missing (group commit): one winning write serves everybody pending, and the
+/// others find their entries already there when they re-read the pool.
 async fn claim_and_record<S: Store>(
     store: &S,
     range: &RangeConfig,
@@ -149,7 +147,7 @@ async fn claim_and_record<S: Store>(
         .addr_at(offset)
         .expect("picked offsets lie in the range");
     let claim = if scope.overlapping {
-        match claim(store, scope.network_name, ip, who).await? {
+        match claim(store, &range.pool_name, scope.network_name, ip, who).await? {
             Claim::Ours(uid) => Some(uid),
             lost => return Ok(Err(lost)),
         }
@@ -157,28 +155,28 @@ async fn claim_and_record<S: Store>(
         None
     };
     let entry = who.entry();
-    let mut pre = match scope.writes {
-        PoolWrites::KeyAbsent => Precondition::KeyAbsent,
-        PoolWrites::ResourceVersion => Precondition::ResourceVersion(pool.resource_version.clone()),
-    };
-    for _ in 0..MAX_CONFLICTS {
+    let mut pool = pool.clone();
+    for attempt in 0..MAX_CONFLICTS {
+        match pool.allocations.get(&offset) {
+            Some(e) if e.id == entry.id && e.podref == entry.podref => return Ok(Ok(ip)),
+            Some(_) => break, // recorded for someone else (a writer that takes no reservations)
+            None => {}
+        }
+        let mut entries = vec![(offset, entry.clone())];
+        if attempt > 0 && scope.overlapping {
+            entries.extend(pending_claims(store, range, &pool, offset).await?);
+        }
         match store
-            .add_allocation(&range.pool_name, offset, &entry, &pre)
+            .add_allocations(&range.pool_name, &entries, &pool.resource_version)
             .await?
         {
             Write::Done => return Ok(Ok(ip)),
             Write::Missing => break,
             Write::Conflict => {
-                // Re-apply the same decision while the address is still free; re-decide otherwise.
-                let fresh = store.get_pool(&range.pool_name).await?;
-                match fresh {
-                    Some(p)
-                        if scope.writes == PoolWrites::ResourceVersion
-                            && !p.allocations.contains_key(&offset) =>
-                    {
-                        pre = Precondition::ResourceVersion(p.resource_version);
-                    }
-                    _ => break,
+                jitter(attempt).await;
+                match store.get_pool(&range.pool_name).await? {
+                    Some(fresh) => pool = fresh,
+                    None => break,
                 }
             }
         }
@@ -187,6 +185,41 @@ async fn claim_and_record<S: Store>(
         unclaim(store, scope.network_name, ip, &uid).await?;
     }
     Ok(Err(Claim::Race))
+}
+
+/// Entries for this pool's claims that the pool does not hold yet (other than `own`).
+async fn pending_claims<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    pool: &Pool,
+    own: u128,
+) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
+    Ok(store
+        .claims_of(&range.pool_name)
+        .await?
+        .into_iter()
+        .filter_map(|(ip, spec)| {
+            let offset = range.range.offset_of(ip)?;
+            (offset != own && !pool.allocations.contains_key(&offset)).then(|| {
+                (
+                    offset,
+                    IPAllocation {
+                        id: spec.containerid,
+                        podref: spec.podref,
+                        ifname: spec.ifname,
+                        poduid: spec.poduid,
+                        ipamclaimref: spec.ipamclaimref,
+                    },
+                )
+            })
+        })
+        .collect())
+}
+
+/// A short random pause after a lost pool write, so that losers do not re-read in lockstep.
+async fn jitter(attempt: u32) {
+    let cap_ms = 5u64 << attempt.min(4);
+    tokio::time::sleep(std::time::Duration::from_millis(fastrand::u64(0..=cap_ms))).await;
 }
 
 /// The outcome of trying to claim an address.
@@ -202,13 +235,17 @@ enum Claim {
 
 async fn claim<S: Store>(
     store: &S,
+    pool: &str,
     network_name: Option<&str>,
     ip: IpAddr,
     who: &Attachment,
 ) -> Result<Claim, StoreError> {
     let name = reservation_name(network_name, ip);
     for _ in 0..3 {
-        if let (Write::Done, uid) = store.create_reservation(&name, &who.reservation()).await? {
+        if let (Write::Done, uid) = store
+            .create_reservation(&name, &who.reservation(), pool, ip)
+            .await?
+        {
             return Ok(Claim::Ours(uid));
         }
         match store.get_reservation(&name).await? {
@@ -253,7 +290,7 @@ async fn reuse<S: Store>(
         .filter(|_| range.range.is_allocatable(offset));
     let claimed = match ip {
         Some(ip) if scope.overlapping => matches!(
-            claim(store, scope.network_name, ip, who).await?,
+            claim(store, &pool.name, scope.network_name, ip, who).await?,
             Claim::Ours(_)
         ),
         Some(_) => true,

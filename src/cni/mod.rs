@@ -13,7 +13,7 @@ use serde_json::{Map, Value};
 
 use crate::config::{IpamConfig, NetConf, Source, flat, problem, validate_ipam};
 use crate::store::Store;
-use allocate::{AllocError, PoolWrites, Scope, allocate, release, release_entries};
+use allocate::{AllocError, Scope, allocate, release, release_entries};
 use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
 
 /// Everything a command needs, validated.
@@ -24,7 +24,6 @@ pub struct Request {
     pub args: CniArgs,
     pub conf: NetConf,
     pub ipam: IpamConfig,
-    pub writes: PoolWrites,
 }
 
 /// What the runtime passed: the environment (as a lookup) and stdin.
@@ -66,17 +65,12 @@ pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError>
         pod_uid: args.pod_uid.clone(),
     };
     require_env(command, &attachment)?;
-    let writes = match (inv.env)("WHEREABOUTS_POOL_WRITES").as_deref() {
-        Some("resourceVersion") => PoolWrites::ResourceVersion,
-        _ => PoolWrites::KeyAbsent,
-    };
     Ok(Request {
         command,
         attachment,
         args,
         conf,
         ipam,
-        writes,
     })
 }
 
@@ -135,7 +129,6 @@ fn scope(req: &Request) -> Scope<'_> {
     Scope {
         network_name: req.ipam.network_name.as_deref(),
         overlapping: req.ipam.enable_overlapping_ranges,
-        writes: req.writes,
     }
 }
 

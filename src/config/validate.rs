@@ -354,8 +354,23 @@ fn read_one_range(
         ));
         return None;
     };
-    let excludes = excludes?;
-    match AddrRange::new(cidr, start, end, &excludes) {
+    // The bounds are checked even when an exclude did not parse, so every problem is reported;
+    // the range is only usable when all excludes parsed.
+    let result = AddrRange::new(cidr, start, end, &excludes.nets).map_err(|e| match e {
+        RangeError::FamilyMismatch {
+            bound: Bound::Exclude(i),
+            value,
+            cidr,
+        } => RangeError::FamilyMismatch {
+            bound: Bound::Exclude(excludes.positions[i]),
+            value,
+            cidr,
+        },
+        other => other,
+    });
+    match result {
+        // An exclude that did not parse is reported above; the range is not usable without it.
+        Ok(_) if !excludes.complete => None,
         Ok(range) => {
             let path = if top_level {
                 format!("{prefix}.range")
@@ -369,21 +384,40 @@ fn read_one_range(
             })
         }
         Err(e) => {
-            r.errors
-                .push(range_problem(prefix, range_text, &excludes, start, end, e));
+            r.errors.push(range_problem(
+                prefix,
+                range_text,
+                &excludes.nets,
+                start,
+                end,
+                e,
+            ));
             None
         }
     }
 }
 
-fn read_excludes(r: &mut Reader<'_>) -> Option<Vec<IpNet>> {
-    let mut excludes = Vec::new();
-    let mut ok = true;
+/// The excludes that parse, with their positions in the list as written, and whether all did.
+struct Excludes {
+    nets: Vec<IpNet>,
+    positions: Vec<usize>,
+    complete: bool,
+}
+
+fn read_excludes(r: &mut Reader<'_>) -> Excludes {
+    let mut ex = Excludes {
+        nets: Vec::new(),
+        positions: Vec::new(),
+        complete: true,
+    };
     for (i, v) in r.array("exclude").iter().enumerate() {
         match v.as_str().and_then(parse_cidr_or_ip) {
-            Some(net) => excludes.push(net),
+            Some(net) => {
+                ex.nets.push(net);
+                ex.positions.push(i);
+            }
             None => {
-                ok = false;
+                ex.complete = false;
                 let path = format!("{}.exclude[{i}]", r.prefix);
                 let shown = v
                     .as_str()
@@ -397,7 +431,7 @@ fn read_excludes(r: &mut Reader<'_>) -> Option<Vec<IpNet>> {
             }
         }
     }
-    ok.then_some(excludes)
+    ex
 }
 
 /// Turns a core range error into a problem naming the field the user wrote.

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use crate::cni::allocate::{PoolWrites, Scope};
+use crate::cni::allocate::Scope;
 use crate::config::RangeConfig;
 use crate::crd::{IPAllocation, IPPool};
 use crate::ipam::AddrRange;
@@ -67,7 +67,6 @@ impl PoolView {
             Scope {
                 network_name: self.network_name.as_deref(),
                 overlapping: true,
-                writes: PoolWrites::KeyAbsent,
             },
         )
     }

@@ -13,7 +13,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, P
 use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
-use super::{Pool, Precondition, Reservation, Result, Store, StoreError, Write};
+use super::{IP_ANNOTATION, POOL_LABEL, Pool, Reservation, Result, Store, StoreError, Write};
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
     OverlappingRangeIPReservationSpec,
@@ -169,24 +169,33 @@ impl Store for KubeStore {
         }
     }
 
-    async fn add_allocation(
+    async fn add_allocations(
         &self,
         pool: &str,
-        offset: u128,
-        entry: &IPAllocation,
-        pre: &Precondition,
+        entries: &[(u128, IPAllocation)],
+        resource_version: &str,
     ) -> Result<Write> {
-        let test = match pre {
-            // evanphx/json-patch, which the API server uses, passes a `test` of null on a missing key.
-            Precondition::KeyAbsent => {
-                json!({"op": "test", "path": entry_path(offset), "value": null})
-            }
-            Precondition::ResourceVersion(rv) => {
-                json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv})
-            }
-        };
-        let add = json!({"op": "add", "path": entry_path(offset), "value": entry});
-        self.patch_pool(pool, json!([test, add])).await
+        // A merge patch carrying metadata.resourceVersion: the API server compares it before
+        // applying anything and answers 409 at once when the pool moved on.
+        let allocations: serde_json::Map<String, Value> = entries
+            .iter()
+            .map(|(o, e)| {
+                (
+                    o.to_string(),
+                    serde_json::to_value(e).expect("entries serialise"),
+                )
+            })
+            .collect();
+        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(Write::Missing),
+                Some(409) => Ok(Write::Conflict),
+                _ => Err(error("patch", format!("ippool {pool}"), e)),
+            },
+        }
     }
 
     async fn replace_allocation(
@@ -222,12 +231,19 @@ impl Store for KubeStore {
         &self,
         name: &str,
         spec: &OverlappingRangeIPReservationSpec,
+        pool: &str,
+        ip: std::net::IpAddr,
     ) -> Result<(Write, String)> {
+        // Label values are at most 63 characters: a longer pool name only loses group commit.
+        let labels = (pool.len() <= 63).then(|| [(POOL_LABEL.to_owned(), pool.to_owned())].into());
+        let metadata = ObjectMeta {
+            name: Some(name.to_owned()),
+            labels,
+            annotations: Some([(IP_ANNOTATION.to_owned(), ip.to_string())].into()),
+            ..Default::default()
+        };
         let obj = OverlappingRangeIPReservation {
-            metadata: ObjectMeta {
-                name: Some(name.to_owned()),
-                ..Default::default()
-            },
+            metadata,
             spec: spec.clone(),
         };
         let post = PostParams::default();
@@ -240,6 +256,41 @@ impl Store for KubeStore {
                 e,
             )),
         }
+    }
+
+    async fn claims_of(
+        &self,
+        pool: &str,
+    ) -> Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>> {
+        // Served from the API server's watch cache: cheap, possibly a moment old, which is fine
+        // (each writer adds its own claim explicitly).
+        let params = ListParams::default()
+            .labels(&format!("{POOL_LABEL}={pool}"))
+            .match_any();
+        let list = retrying(|| self.reservations.list(&params))
+            .await
+            .map_err(|e| {
+                error(
+                    "list",
+                    format!("overlappingrangeipreservations of {pool}"),
+                    e,
+                )
+            })?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter_map(|r| {
+                Some((
+                    r.metadata
+                        .annotations
+                        .as_ref()?
+                        .get(IP_ANNOTATION)?
+                        .parse()
+                        .ok()?,
+                    r.spec,
+                ))
+            })
+            .collect())
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {

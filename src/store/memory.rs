@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{Pool, Precondition, Reservation, Result, Store, StoreError, Write};
+use super::{Pool, Reservation, Result, Store, StoreError, Write};
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 
 #[derive(Default)]
@@ -20,6 +20,8 @@ pub struct MemoryStore {
 struct State {
     pools: BTreeMap<String, (String, BTreeMap<u128, IPAllocation>, u64)>,
     reservations: BTreeMap<String, Reservation>,
+    /// The pool and address each reservation was claimed for.
+    claims: BTreeMap<String, (String, std::net::IpAddr)>,
     pods: HashMap<String, String>,
 }
 
@@ -122,22 +124,19 @@ impl Store for MemoryStore {
         Ok(Write::Done)
     }
 
-    async fn add_allocation(
+    async fn add_allocations(
         &self,
         pool: &str,
-        offset: u128,
-        entry: &IPAllocation,
-        pre: &Precondition,
+        entries: &[(u128, IPAllocation)],
+        resource_version: &str,
     ) -> Result<Write> {
         self.with_pool("patch", pool, |allocations, rv| {
-            let holds = match pre {
-                Precondition::KeyAbsent => !allocations.contains_key(&offset),
-                Precondition::ResourceVersion(expected) => *expected == rv.to_string(),
-            };
-            if !holds {
+            if rv.to_string() != resource_version {
                 return Write::Conflict;
             }
-            allocations.insert(offset, entry.clone());
+            for (offset, entry) in entries {
+                allocations.insert(*offset, entry.clone());
+            }
             Write::Done
         })
     }
@@ -181,6 +180,8 @@ impl Store for MemoryStore {
         &self,
         name: &str,
         spec: &OverlappingRangeIPReservationSpec,
+        pool: &str,
+        ip: std::net::IpAddr,
     ) -> Result<(Write, String)> {
         self.check("create", name)?;
         let mut s = self.state.lock().unwrap();
@@ -201,7 +202,21 @@ impl Store for MemoryStore {
                 created: Some(now),
             },
         );
+        s.claims.insert(name.into(), (pool.into(), ip));
         Ok((Write::Done, uid))
+    }
+
+    async fn claims_of(
+        &self,
+        pool: &str,
+    ) -> Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>> {
+        self.check("list", pool)?;
+        let s = self.state.lock().unwrap();
+        Ok(s.claims
+            .iter()
+            .filter(|(_, (p, _))| p == pool)
+            .filter_map(|(name, (_, ip))| Some((*ip, s.reservations.get(name)?.spec.clone())))
+            .collect())
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
@@ -217,6 +232,7 @@ impl Store for MemoryStore {
             Some(r) if r.uid != uid => Ok(Write::Conflict),
             Some(_) => {
                 s.reservations.remove(name);
+                s.claims.remove(name);
                 Ok(Write::Done)
             }
         }

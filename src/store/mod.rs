@@ -1,8 +1,9 @@
 //! The datastore seen by the CNI plugin and the operator: pools, their entries, and reservations.
 //!
 //! Every write is conditional, so no lock is needed:
-//! - a pool entry is added only if its key is still absent (or, for the benchmark baseline, only if
-//!   the whole pool is unchanged since it was read: [`Precondition::ResourceVersion`]);
+//! - pool entries are added only if the pool is unchanged since it was read (a resourceVersion
+//!   precondition the API server checks before anything else, so a stale write fails at once
+//!   instead of being retried inside the API server); several entries can go in one write;
 //! - an entry is replaced or removed only if it still holds the container and pod we expect;
 //! - a reservation is created only if no reservation of that address exists, and deleted only if it
 //!   is still the object we looked at (UID precondition).
@@ -67,13 +68,11 @@ impl Pool {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Precondition {
-    /// The entry's key must still be absent: concurrent claims of other addresses never conflict.
-    KeyAbsent,
-    /// The pool must be unchanged since it was read (upstream's model; kept for the benchmark).
-    ResourceVersion(String),
-}
+/// Labels a reservation with its pool, so that a writer of that pool can find the claims whose pool
+/// entries are still pending and record them together with its own (group commit).
+pub const POOL_LABEL: &str = "whereabouts.cni.cncf.io/pool";
+/// The claimed address, on our reservations (the name encodes it only up to the network prefix).
+pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
 
 /// The outcome of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,12 +147,12 @@ pub trait Store: Send + Sync {
     fn get_pool(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
     /// Creates an empty pool; `Conflict` when it already exists.
     fn create_pool(&self, name: &str, range: &str) -> impl Future<Output = Result<Write>> + Send;
-    fn add_allocation(
+    /// Records `entries` if the pool is still at `resource_version`; `Conflict` otherwise.
+    fn add_allocations(
         &self,
         pool: &str,
-        offset: u128,
-        entry: &IPAllocation,
-        pre: &Precondition,
+        entries: &[(u128, IPAllocation)],
+        resource_version: &str,
     ) -> impl Future<Output = Result<Write>> + Send;
     /// Replaces the entry at `offset` if it still holds `expected`'s container and pod.
     fn replace_allocation(
@@ -170,12 +169,21 @@ pub trait Store: Send + Sync {
         offset: u128,
         expected: &IPAllocation,
     ) -> impl Future<Output = Result<Write>> + Send;
-    /// Creates a reservation; `Conflict` when one exists. Returns the new object's UID on success.
+    /// Creates a reservation of `ip` for `pool`; `Conflict` when one exists. Returns the new
+    /// object's UID on success.
     fn create_reservation(
         &self,
         name: &str,
         spec: &OverlappingRangeIPReservationSpec,
+        pool: &str,
+        ip: std::net::IpAddr,
     ) -> impl Future<Output = Result<(Write, String)>> + Send;
+    /// Claims made for `pool` by our plugin (label and address annotation), as the API server's
+    /// cache has them.
+    fn claims_of(
+        &self,
+        pool: &str,
+    ) -> impl Future<Output = Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>>> + Send;
     fn get_reservation(
         &self,
         name: &str,

@@ -290,9 +290,6 @@ impl CniCall<'_> {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if let Ok(v) = std::env::var("WHEREABOUTS_POOL_WRITES") {
-            cmd.env("WHEREABOUTS_POOL_WRITES", v);
-        }
         let mut child = cmd.spawn().expect("spawn CNI plugin");
         // A command that needs no config (VERSION) may exit before reading stdin: a broken pipe
         // here is not a failure, as for a runtime.
