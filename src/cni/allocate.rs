@@ -200,18 +200,14 @@ async fn pending_claims<S: Store>(
         .into_iter()
         .filter_map(|(ip, spec)| {
             let offset = range.range.offset_of(ip)?;
-            (offset != own && !pool.allocations.contains_key(&offset)).then(|| {
-                (
-                    offset,
-                    IPAllocation {
-                        id: spec.containerid,
-                        podref: spec.podref,
-                        ifname: spec.ifname,
-                        poduid: spec.poduid,
-                        ipamclaimref: spec.ipamclaimref,
-                    },
-                )
-            })
+            let entry = IPAllocation {
+                id: spec.containerid,
+                podref: spec.podref,
+                ifname: spec.ifname,
+                poduid: spec.poduid,
+                ipamclaimref: spec.ipamclaimref,
+            };
+            (offset != own && !pool.allocations.contains_key(&offset)).then_some((offset, entry))
         })
         .collect())
 }
