@@ -48,12 +48,6 @@ IMPLS = {
         "env": {},
         "log_level": "verbose",
     },
-    "ours-rv": {
-        "label": "ours, resourceVersion writes",
-        "binary": ROOT / "target" / "release" / "whereabouts",
-        "env": {"WHEREABOUTS_POOL_WRITES": "resourceVersion"},
-        "log_level": "verbose",
-    },
     "upstream": {
         "label": "upstream",
         "binary": BENCH / "bin" / "whereabouts-upstream",
@@ -626,9 +620,9 @@ def markdown(records):
     by = {}
     for r in rows:
         by.setdefault((r["scenario"], r["n"]), {})[r["impl"]] = r
-    lines += ["", "| scenario | N | metric | ours | ours, resourceVersion writes | upstream "
-                  "| upstream / ours | upstream / ours (resourceVersion) | failed (ours / rv / upstream) |",
-              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| scenario | N | metric | ours | upstream "
+                  "| upstream / ours | failed (ours / upstream) |",
+              "|---|---:|---|---:|---:|---:|---|"]
     for (kind, n), d in by.items():
         fld, metric, unit = (("latency_ms_p50", "p50 ADD latency", "ms") if kind == "seq"
                              else ("wall_s_median", "wall time", "s"))
@@ -642,10 +636,9 @@ def markdown(records):
             return "–"
 
         failed = " / ".join(str(d[k]["failures"]) if k in d else "–"
-                            for k in ("ours", "ours-rv", "upstream"))
-        lines.append(f"| {scenario_title(kind)} | {n} | {metric} | {cell('ours')} | {cell('ours-rv')} "
-                     f"| {cell('upstream')} | {ratio('upstream', 'ours')} | {ratio('upstream', 'ours-rv')} "
-                     f"| {failed} |")
+                            for k in ("ours", "upstream"))
+        lines.append(f"| {scenario_title(kind)} | {n} | {metric} | {cell('ours')} "
+                     f"| {cell('upstream')} | {ratio('upstream', 'ours')} | {failed} |")
     return "\n".join(lines)
 
 
@@ -761,14 +754,14 @@ def main():
                     help=f"WHEREABOUTS_E2E_STATE for e2e/cluster.sh (default {STATE_DEFAULT})")
     ap.add_argument("--keep-cluster", action="store_true", help="do not stop the cluster we started")
     ap.add_argument("--kubectl", default=str(KUBECTL_DEFAULT))
-    ap.add_argument("--impls", default="ours,ours-rv,upstream")
+    ap.add_argument("--impls", default="ours,upstream")
     ap.add_argument("--ours", help="path of our binary (default target/release/whereabouts)")
     ap.add_argument("--upstream", help="path of upstream's binary (default bench/bin/whereabouts-upstream)")
     ap.add_argument("--seq", type=int, default=100, help="sequential ADDs (default 100; 0 skips)")
     ap.add_argument("--concurrency", default="50,100,200")
     ap.add_argument("--scenarios", default="seq,conc-v4,conc-ds")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="runs of every scenario for ours and ours-rv (default 1)")
+                    help="runs of every scenario for ours (default 1)")
     ap.add_argument("--upstream-repeat", type=int, default=1,
                     help="runs of every scenario for upstream (default 1: it is slow)")
     ap.add_argument("--timeout", type=float, default=300.0, help="deadline per scenario, s")
@@ -788,7 +781,7 @@ def main():
         return
 
     if args.ours:
-        IMPLS["ours"]["binary"] = IMPLS["ours-rv"]["binary"] = Path(args.ours).resolve()
+        IMPLS["ours"]["binary"] = Path(args.ours).resolve()
     if args.upstream:
         IMPLS["upstream"]["binary"] = Path(args.upstream).resolve()
     impls = [s for s in args.impls.split(",") if s]
