@@ -1,10 +1,11 @@
 //! The Kubernetes [`Store`]: IPPools and OverlappingRangeIPReservations in the pool namespace.
 //!
-//! Pool entries are written with JSON Patch. Its `test` operations run inside the API server's own
-//! read-modify-write, so a patch that adds key `K` after testing that `K` is absent is an atomic
-//! claim of that key: writers of different keys never conflict and never re-read the pool, which
-//! is what keeps many concurrent ADDs on one pool linear instead of quadratic (docs/benchmarks.md).
-//! A failed test answers 422; that is a lost condition, not an error.
+//! New pool entries are written with a merge patch carrying `metadata.resourceVersion`: the API
+//! server checks it before anything else and answers 409 at once when the pool moved on (a JSON
+//! Patch `test`, by contrast, is evaluated inside the API server's own retry loop, which made many
+//! concurrent writers of one pool quadratic; docs/benchmarks.md). Replacing and removing an entry use
+//! JSON Patch `test` operations on that entry's container and pod, which hold across unrelated
+//! writes; a failed test answers 422, a lost condition, not an error.
 
 use std::collections::HashMap;
 
