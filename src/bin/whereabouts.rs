@@ -14,7 +14,10 @@ use whereabouts::cni::{self, Invocation, Request};
 use whereabouts::store::kube::KubeStore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
-const ADD_DEADLINE: Duration = Duration::from_secs(120);
+const ADD_DEADLINE: Duration = Duration::from_secs(110);
+/// After an ADD runs out of time, what it took is released within this budget (the total stays
+/// within upstream's two minutes), so a timed-out ADD leaves no claim behind.
+const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
 const OTHER_DEADLINE: Duration = Duration::from_secs(60);
 
 fn main() -> ExitCode {
@@ -69,9 +72,24 @@ async fn run(req: &Request) -> Result<Option<Value>, CniError> {
     } else {
         OTHER_DEADLINE
     };
-    tokio::time::timeout(deadline, cni::handle(&store, req))
-        .await
-        .unwrap_or_else(|_| {
+    match tokio::time::timeout(deadline, cni::handle(&store, req)).await {
+        Ok(result) => result,
+        Err(_) => {
+            if req.command == Command::Add {
+                // The ADD was cut off mid-way, before its own all-or-nothing rollback: release
+                // whatever this attachment holds, as a DEL would.
+                let del = Request {
+                    command: Command::Del,
+                    ..req.clone()
+                };
+                if let Err(e) | Ok(Err(e)) =
+                    tokio::time::timeout(ROLLBACK_BUDGET, cni::handle(&store, &del))
+                        .await
+                        .map_err(|_| CniError::new(code::TRY_AGAIN_LATER, "rollback timed out"))
+                {
+                    tracing::error!(error = %e.msg, "could not roll back a timed-out ADD; the operator's audit will release it");
+                }
+            }
             Err(CniError::new(
                 code::TRY_AGAIN_LATER,
                 format!(
@@ -80,7 +98,8 @@ async fn run(req: &Request) -> Result<Option<Value>, CniError> {
                     deadline.as_secs()
                 ),
             ))
-        })
+        }
+    }
 }
 
 async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {
