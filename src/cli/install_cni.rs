@@ -164,6 +164,11 @@ pub struct Report {
 /// Installs, then (without --once) re-checks every --interval until SIGTERM or SIGINT. A failed
 /// re-check is logged and retried; only the first pass must succeed.
 pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
+    // Handlers first: a SIGTERM during the first pass must end the loop cleanly, not kill the
+    // process with the default action (the signal future below registers nothing until polled).
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("install the SIGINT handler")?;
     let targets = args.targets();
     for dir in [&targets.binary, &targets.kubeconfig] {
         if let Some(dir) = dir.parent() {
@@ -180,11 +185,13 @@ pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
     if args.once {
         return Ok(());
     }
-    let stop = signal();
-    let mut stop = std::pin::pin!(stop);
     loop {
         tokio::select! {
-            () = &mut stop => {
+            _ = term.recv() => {
+                tracing::info!("shutting down");
+                return Ok(());
+            }
+            _ = int.recv() => {
                 tracing::info!("shutting down");
                 return Ok(());
             }
@@ -195,15 +202,6 @@ pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
             Ok(_) => {}
             Err(e) => tracing::error!(error = %format!("{e:#}"), "update failed; retrying"),
         }
-    }
-}
-
-async fn signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
     }
 }
 
