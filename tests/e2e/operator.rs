@@ -93,10 +93,14 @@ fn deleted_pods_are_released_within_two_seconds() {
         format!("10.70.0.{}/24", left.keys().next().unwrap()),
         keep[0]
     );
-    let metrics = op.get("/metrics").unwrap();
+    // Counted once the release, reservation delete included, has returned.
+    let counted = |m: Option<String>| {
+        m.is_some_and(|m| m.contains("whereabouts_releases_total{reason=\"pod_deleted\"} 2"))
+    };
     assert!(
-        metrics.contains("whereabouts_releases_total{reason=\"pod_deleted\"} 2"),
-        "{metrics}"
+        eventually(10, || counted(op.get("/metrics"))),
+        "{:?}",
+        op.get("/metrics")
     );
     let events = ns.kubectl_ok(&[
         "get",
@@ -173,10 +177,14 @@ fn pods_deleted_while_the_operator_was_down_are_released_after_it_starts() {
         "{:?}",
         ns.reservations()
     );
-    let metrics = op.get("/metrics").unwrap();
+    // Counted once the release, reservation delete included, has returned.
+    let counted = |m: Option<String>| {
+        m.is_some_and(|m| m.contains("whereabouts_releases_total{reason=\"audit\"} 4"))
+    };
     assert!(
-        metrics.contains("whereabouts_releases_total{reason=\"audit\"} 4"),
-        "{metrics}"
+        eventually(10, || counted(op.get("/metrics"))),
+        "{:?}",
+        op.get("/metrics")
     );
     assert!(eventually(5, || op
         .get("/metrics")
