@@ -7,7 +7,7 @@
 # the same trust anchor), DIR/tls.crt and DIR/tls.key, then prints the base64 caBundle for the
 # ValidatingWebhookConfiguration on stdout (progress goes to stderr). The files are written to a
 # temporary name and renamed, so a running operator never reads a half-written pair.
-# Default: --dns whereabouts-webhook.kube-system.svc --out webhook-certs/dev. Keys are never committed.
+# Default: --dns whereabouts-webhook.whereabouts-system.svc --out webhook-certs/dev. Keys are never committed.
 set -euo pipefail
 
 dns=()
@@ -27,7 +27,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ -n "$out" ]] || out="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/dev"
 if [[ ${#dns[@]} -eq 0 && ${#ips[@]} -eq 0 ]]; then
-  dns=(whereabouts-webhook.kube-system.svc)
+  dns=(whereabouts-webhook.whereabouts-system.svc)
 fi
 command -v openssl >/dev/null || { echo "mint.sh: needs the openssl CLI (apt-get install openssl)" >&2; exit 2; }
 mkdir -p "$out"
