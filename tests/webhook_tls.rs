@@ -62,6 +62,25 @@ fn exchange(
     (leaf, String::from_utf8_lossy(&response).into_owned())
 }
 
+type Server = tokio::task::JoinHandle<std::io::Result<()>>;
+
+/// The webhook over TLS on a free loopback port, with the certificate files in `dir`; stops when
+/// the returned sender fires.
+fn serve_on_loopback(
+    dir: &Path,
+    loaded: Arc<AtomicBool>,
+) -> (SocketAddr, tokio::sync::oneshot::Sender<()>, Server) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let files = CertFiles::new(dir.join("tls.crt"), dir.join("tls.key"));
+    let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
+    let server = tokio::spawn(webhook::tls::serve(listener, files, app, loaded, async {
+        let _ = stop_rx.await;
+    }));
+    (addr, stop_tx, server)
+}
+
 fn file_leaf(dir: &Path) -> Vec<u8> {
     CertificateDer::from_pem_file(dir.join("tls.crt"))
         .unwrap()
@@ -75,21 +94,8 @@ async fn rotated_certificate_files_are_served_without_restart() {
     let dir = tempfile::tempdir().unwrap();
     mint(dir.path());
     let first = file_leaf(dir.path());
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
     let loaded = Arc::new(AtomicBool::new(false));
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let files = CertFiles::new(dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
-    let server = tokio::spawn(webhook::tls::serve(
-        listener,
-        files,
-        app,
-        loaded.clone(),
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let (addr, stop_tx, server) = serve_on_loopback(dir.path(), loaded.clone());
     let client = client_config(dir.path());
     let d = dir.path().to_owned();
     let c = client.clone();
@@ -185,20 +191,7 @@ fn handshake_with(addr: SocketAddr, dir: &Path, version: &str) -> bool {
 async fn only_tls_1_2_and_newer_are_spoken() {
     let dir = tempfile::tempdir().unwrap();
     mint(dir.path());
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let files = CertFiles::new(dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
-    let server = tokio::spawn(webhook::tls::serve(
-        listener,
-        files,
-        app,
-        Arc::new(AtomicBool::new(false)),
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let (addr, stop_tx, server) = serve_on_loopback(dir.path(), Arc::new(AtomicBool::new(false)));
     let d = dir.path().to_owned();
     let results = tokio::task::spawn_blocking(move || {
         ["-tls1", "-tls1_1", "-tls1_2", "-tls1_3"].map(|v| handshake_with(addr, &d, v))
