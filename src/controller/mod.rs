@@ -301,9 +301,11 @@ async fn elect(
     Ok((rx, Some(task)))
 }
 
-/// How many pods are released at once. Releases of different entries never conflict (each write
-/// is conditional on its own entry), so a burst of deletions is worked off in parallel.
-const CLEANUP_CONCURRENCY: usize = 16;
+/// How many pods are released at once. Measured: 16 concurrent releases on one 1000-entry pool made
+/// the API server retry its pool updates internally until requests timed out (504), far slower than
+/// one at a time (docs/benchmarks.md, "Operator"). Releases go one at a time until they are batched
+/// into one write per pool.
+const CLEANUP_CONCURRENCY: usize = 1;
 
 /// Releases due pods' addresses. Errors and empty results that may be cache lag are retried with
 /// exponential backoff a bounded number of times; the audit catches anything left.
