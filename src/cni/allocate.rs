@@ -1,14 +1,16 @@
 //! Claiming and releasing one address of one range, without a lock.
 //!
 //! ADD claims first, then records: with overlapping ranges on, the reservation object of the
-//! chosen address is created (atomic create-or-409); only its owner then adds the pool entry, with
-//! a precondition that the key is still absent. A process killed between the two writes leaves a
-//! claim without a pool entry: a leak the operator's audit repairs, never a duplicate. Upstream
-//! writes the pool first and then checks the reservation, so a mixed fleet stays safe: whichever
-//! writes the reservation first wins and the other moves on.
+//! chosen address is created (atomic create-or-409); only its owner then records the pool entry,
+//! conditional on the pool's resourceVersion, recording at the same time every other claim of the
+//! pool whose entry is still missing (group commit, see [`claim_and_record`]). A process killed
+//! between the two writes leaves a claim without a pool entry, which the next writer records or the
+//! operator's audit removes, never a duplicate. Upstream writes the pool first and then checks the
+//! reservation, so a mixed fleet stays safe: whichever writes the reservation first wins and the
+//! other moves on.
 //!
-//! Losing a race costs one request and a new pick, never a re-read of the whole pool; picks after a
-//! loss spread over the lowest free addresses so that concurrent claimants stop colliding.
+//! Losing a claim costs one request and a new pick; picks after a lost race spread over the lowest
+//! free addresses so that concurrent claimants stop colliding.
 //!
 //! DEL removes only entries that still hold the container being deleted, then the reservation if
 //! it belongs to the same pod, so an address re-bound to a newer container is never released.
