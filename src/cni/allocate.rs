@@ -3,7 +3,7 @@
 //! ADD claims first, then records: with overlapping ranges on, the reservation object of the
 //! chosen address is created (atomic create-or-409); only its owner then records the pool entry,
 //! conditional on the pool's resourceVersion, recording at the same time every other claim of the
-//! pool whose entry is still missing (group commit, see [`claim_and_record`]). A process killed
+//! pool whose entry is still missing (group commit, see `claim_and_record`). A process killed
 //! between the two writes leaves a claim without a pool entry, which the next writer records or the
 //! operator's audit removes, never a duplicate. Upstream writes the pool first and then checks the
 //! reservation, so a mixed fleet stays safe: whichever writes the reservation first wins and the
