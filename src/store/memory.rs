@@ -189,10 +189,7 @@ impl Store for MemoryStore {
             return Ok((Write::Conflict, String::new()));
         }
         let uid = format!("uid-{}", self.next.fetch_add(1, Ordering::Relaxed));
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
+        let now = super::now_secs();
         s.reservations.insert(
             name.into(),
             Reservation {

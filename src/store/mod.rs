@@ -97,12 +97,16 @@ impl Reservation {
     /// True when the reservation was made in the last few seconds: it was won in a race that is
     /// probably still going on, rather than held steadily by a pod of an overlapping range.
     pub fn is_recent(&self) -> bool {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0);
-        self.created.is_some_and(|c| now - c < 10)
+        self.created.is_some_and(|c| now_secs() - c < 10)
     }
+}
+
+/// Seconds since the epoch, the unit of [`Reservation::created`].
+pub fn now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 #[derive(Debug, Error)]
