@@ -33,6 +33,15 @@ fn scraped(op: &OperatorProcess, series: &str) -> Option<f64> {
     sample(&op.get("/metrics")?, series)
 }
 
+/// Waits up to `secs` for `series` to read `value`; fails with the whole scrape.
+fn wait_for(op: &OperatorProcess, series: &str, value: f64, secs: u64) {
+    assert!(
+        eventually(secs, || scraped(op, series) == Some(value)),
+        "{series} never read {value}: {:?}",
+        op.get("/metrics")
+    );
+}
+
 #[test]
 fn metrics_equal_what_the_pools_hold() {
     let ns = Ns::new("metrics");
@@ -61,13 +70,11 @@ fn metrics_equal_what_the_pools_hold() {
     }
     let pool = r#"{pool="10.80.0.0-24",range="10.80.0.0/24"}"#;
     let network = format!(r#"{{network="{}/net",range="10.80.0.0/24"}}"#, ns.name);
-    assert!(
-        eventually(10, || scraped(
-            &op,
-            &format!("whereabouts_pool_allocated_addresses{pool}")
-        ) == Some(5.0)),
-        "{:?}",
-        op.get("/metrics")
+    wait_for(
+        &op,
+        &format!("whereabouts_pool_allocated_addresses{pool}"),
+        5.0,
+        10,
     );
     assert_eq!(
         scraped(&op, &format!("whereabouts_pool_size_addresses{pool}")),
@@ -91,42 +98,36 @@ fn metrics_equal_what_the_pools_hold() {
     );
 
     ns.kubectl_ok(&["delete", "pod", "p0"]);
-    assert!(eventually(10, || scraped(
+    wait_for(
         &op,
-        &format!("whereabouts_pool_allocated_addresses{pool}")
-    ) == Some(4.0)));
+        &format!("whereabouts_pool_allocated_addresses{pool}"),
+        4.0,
+        10,
+    );
     // The pool watch can show the entry gone before the release (its reservation delete
     // included) has finished and been counted.
-    assert!(
-        eventually(10, || scraped(
-            &op,
-            r#"whereabouts_releases_total{reason="pod_deleted"}"#
-        ) == Some(1.0)),
-        "{:?}",
-        op.get("/metrics")
+    wait_for(
+        &op,
+        r#"whereabouts_releases_total{reason="pod_deleted"}"#,
+        1.0,
+        10,
     );
 
     // A leaked entry: its pod never existed. The audit reports it, then releases it.
     ns.cni("ADD", &conf, "c-ghost", "net1", "ghost", "")
         .addresses();
     let stale = r#"whereabouts_stale_reservations{pool="10.80.0.0-24"}"#;
-    assert!(
-        eventually(20, || scraped(&op, stale) == Some(1.0)),
-        "{:?}",
-        op.get("/metrics")
-    );
+    wait_for(&op, stale, 1.0, 20);
     assert!(eventually(30, || scraped(&op, stale).unwrap_or(0.0) == 0.0
         && scraped(
             &op,
             &format!("whereabouts_pool_allocated_addresses{pool}")
         ) == Some(4.0)));
-    assert!(
-        eventually(10, || scraped(
-            &op,
-            r#"whereabouts_releases_total{reason="audit"}"#
-        ) == Some(1.0)),
-        "{:?}",
-        op.get("/metrics")
+    wait_for(
+        &op,
+        r#"whereabouts_releases_total{reason="audit"}"#,
+        1.0,
+        10,
     );
     assert_eq!(
         ns.allocations("10.80.0.0-24").len(),
