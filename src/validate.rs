@@ -31,6 +31,13 @@ pub struct NadRange {
     pub range: AddrRange,
 }
 
+impl NadRange {
+    /// The IPPool this range allocates from.
+    pub fn pool_name(&self) -> String {
+        crate::ipam::naming::pool_name(self.network_name.as_deref(), self.range.cidr())
+    }
+}
+
 /// The verdict on one NAD's `spec.config`.
 #[derive(Debug, Clone, Default)]
 pub struct NadCheck {

@@ -15,8 +15,8 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use super::Context;
-use crate::config::{NetConf, Source, problem, validate_ipam};
 use crate::crd::{IPPool, IPPoolSpec, NetworkAttachmentDefinition};
+use crate::validate::{check_spec_config, message};
 
 /// Which networks (`<ns>/<nad>`) use a pool; written by the operator.
 pub const NETWORKS_ANNOTATION: &str = "whereabouts.cni.cncf.io/networks";
@@ -34,32 +34,26 @@ pub fn desired(nads: &[Arc<NetworkAttachmentDefinition>]) -> Desired {
     let mut d = Desired::default();
     for nad in nads {
         let network = format!("{}/{}", nad.namespace().unwrap_or_default(), nad.name_any());
-        let rv = nad.resource_version().unwrap_or_default();
-        let text = &nad.spec.config;
-        let conf = match NetConf::parse(text, "spec.config") {
-            Ok(c) => c,
-            Err(p) if text.contains("whereabouts") => {
-                d.invalid.push((network, rv, p.to_string()));
-                continue;
-            }
-            Err(_) => continue,
-        };
-        for (prefix, ipam) in conf.whereabouts_ipams() {
-            let v = validate_ipam(ipam, &prefix, Source::Nad);
-            if !v.errors.is_empty() {
-                d.invalid.push((
-                    network.clone(),
-                    rv.clone(),
-                    format!("spec.config: {}", problem::join(&v.errors)),
-                ));
-            }
-            for range in v.config.iter().flat_map(|c| &c.ranges) {
-                let entry = d
-                    .pools
-                    .entry(range.pool_name.clone())
-                    .or_insert_with(|| (range.range.cidr().to_string(), BTreeSet::new()));
-                entry.1.insert(network.clone());
-            }
+        let check = check_spec_config(&nad.spec.config);
+        if !check.is_valid() {
+            let message = check
+                .errors
+                .iter()
+                .map(message)
+                .collect::<Vec<_>>()
+                .join("; ");
+            d.invalid.push((
+                network.clone(),
+                nad.resource_version().unwrap_or_default(),
+                message,
+            ));
+        }
+        for range in &check.ranges {
+            let entry = d
+                .pools
+                .entry(range.pool_name())
+                .or_insert_with(|| (range.range.cidr().to_string(), BTreeSet::new()));
+            entry.1.insert(network.clone());
         }
     }
     d

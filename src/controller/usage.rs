@@ -15,8 +15,8 @@ use prometheus::proto::MetricFamily;
 use prometheus::{GaugeVec, Opts};
 
 use super::pools::PoolView;
-use crate::config::{NetConf, Source, validate_ipam};
 use crate::crd::{IPPool, NetworkAttachmentDefinition};
+use crate::validate::check_spec_config;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Usage {
@@ -47,35 +47,27 @@ pub fn network_usage(
 ) -> Vec<(String, String, Usage)> {
     let mut out = Vec::new();
     for nad in nads {
-        let Ok(conf) = NetConf::parse(&nad.spec.config, "spec.config") else {
-            continue;
-        };
         let network = format!("{}/{}", nad.namespace().unwrap_or_default(), nad.name_any());
-        for (prefix, ipam) in conf.whereabouts_ipams() {
-            for range in validate_ipam(ipam, &prefix, Source::Nad)
-                .config
+        for range in check_spec_config(&nad.spec.config).ranges {
+            let pool = range.pool_name();
+            let allocated = pools
                 .iter()
-                .flat_map(|c| &c.ranges)
-            {
-                let allocated = pools
-                    .iter()
-                    .find(|p| p.name == range.pool_name)
-                    .map(|p| {
-                        p.entries
-                            .keys()
-                            .filter(|o| range.range.is_allocatable(**o))
-                            .count() as u128
-                    })
-                    .unwrap_or(0);
-                out.push((
-                    network.clone(),
-                    range.range.cidr().to_string(),
-                    Usage {
-                        size: range.range.size(),
-                        allocated,
-                    },
-                ));
-            }
+                .find(|p| p.name == pool)
+                .map(|p| {
+                    p.entries
+                        .keys()
+                        .filter(|o| range.range.is_allocatable(**o))
+                        .count() as u128
+                })
+                .unwrap_or(0);
+            out.push((
+                network.clone(),
+                range.range.cidr().to_string(),
+                Usage {
+                    size: range.range.size(),
+                    allocated,
+                },
+            ));
         }
     }
     out
