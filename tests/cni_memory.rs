@@ -192,6 +192,63 @@ async fn concurrent_adds_never_duplicate() {
     );
 }
 
+/// Concurrent claimants of one pool take turns writing it, and each turn records every pending
+/// claim: far fewer pool writes than ADDs, and no turn left behind.
+#[tokio::test]
+async fn concurrent_adds_share_pool_writes() {
+    let store = Arc::new(MemoryStore::new().interleaved());
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            let (store, ipam) = (store.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let (c, p) = (format!("c{i}"), format!("p{i}"));
+                let out = run(&store, Command::Add, &ipam, &c, &p).await;
+                addresses(&out.unwrap().unwrap())[0].clone()
+            })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        assert!(seen.insert(t.await.unwrap()));
+    }
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len(), 100);
+    assert_eq!(store.reservation_names().len(), 100);
+    let writes = store.count("patch");
+    assert!(writes < 50, "{writes} pool writes for 100 ADDs");
+    assert!(store.count("take_turn") > 0, "contention went unnoticed");
+    assert!(!store.turn_held("10.0.0.0-24"));
+}
+
+/// A turn whose holder was killed is taken over once it has stood still long enough; the ADDs
+/// waiting behind it still succeed.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_turn_is_taken_over() {
+    let store = Arc::new(MemoryStore::new().interleaved());
+    store.abandon_turn("10.0.0.0-24");
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let started = tokio::time::Instant::now();
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let (store, ipam) = (store.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let (c, p) = (format!("c{i}"), format!("p{i}"));
+                let out = run(&store, Command::Add, &ipam, &c, &p).await;
+                addresses(&out.unwrap().unwrap())[0].clone()
+            })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        assert!(seen.insert(t.await.unwrap()));
+    }
+    assert_eq!(seen.len(), 20);
+    assert!(store.count("break_turn") >= 1);
+    assert!(started.elapsed() >= std::time::Duration::from_secs(5));
+    assert!(!store.turn_held("10.0.0.0-24"));
+}
+
 #[tokio::test]
 async fn overlapping_pools_share_addresses_through_reservations() {
     let store = MemoryStore::new();

@@ -2,21 +2,28 @@
 //!
 //! ADD claims first, then records: with overlapping ranges on, the reservation object of the
 //! chosen address is created (atomic create-or-409); only its owner then records the pool entry,
-//! conditional on the pool's resourceVersion, recording at the same time every other claim of the
-//! pool whose entry is still missing (group commit, see `claim_and_record`). A process killed
-//! between the two writes leaves a claim without a pool entry, which the next writer records or the
-//! operator's audit removes, never a duplicate. Upstream writes the pool first and then checks the
-//! reservation, so a mixed fleet stays safe: whichever writes the reservation first wins and the
-//! other moves on.
+//! conditional on the pool's resourceVersion. A process killed between the two writes leaves a
+//! claim without a pool entry, which the next writer records or the operator's audit removes,
+//! never a duplicate. Upstream writes the pool first and then checks the reservation, so a mixed
+//! fleet stays safe: whichever writes the reservation first wins and the other moves on.
 //!
-//! Losing a claim costs one request and a new pick; picks after a lost race spread over the lowest
-//! free addresses so that concurrent claimants stop colliding.
+//! Alone, a claimant records its entry with one write. When the claims list shows others claiming
+//! from the same pool, writing concurrently would make the API server re-run every losing write
+//! (docs/benchmarks.md), so claimants take turns: one takes the pool's writer turn and records
+//! every pending claim in one write (group commit), the rest wait on a watch of the pool and are
+//! usually recorded by that write. The turn guards nothing; every write is conditional, and a turn
+//! left by a killed process is taken over after [`TURN_SECONDS`].
+//!
+//! Losing a claim costs one request and a new pick; picks spread over the lowest free addresses
+//! in proportion to the claims in flight, so that concurrent claimants rarely collide, while a
+//! claimant alone still takes the lowest free address.
 //!
 //! DEL removes only entries that still hold the container being deleted, then the reservation if
 //! it belongs to the same pod, so an address re-bound to a newer container is never released.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::time::Duration;
 
 use thiserror::Error;
 
@@ -24,7 +31,7 @@ use super::protocol::Attachment;
 use crate::config::RangeConfig;
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::ipam::naming::reservation_name;
-use crate::store::{Pool, Store, StoreError, Write};
+use crate::store::{Added, Pool, PoolChanges, Store, StoreError, TURN_SECONDS, TurnAttempt, Write};
 
 /// Attempts per range before giving up with "try again later".
 const MAX_CONFLICTS: u32 = 400;
@@ -91,6 +98,9 @@ pub async fn allocate<S: Store>(
 ) -> Result<Allocated, AllocError> {
     let mut skip = BTreeSet::new();
     let (mut conflicts, mut races) = (0, 0);
+    // After a lost claim the pool snapshot is kept: the fresh claims list says what changed.
+    let mut snapshot: Option<Pool> = None;
+    let mut unverified = None;
     loop {
         if conflicts >= MAX_CONFLICTS {
             return Err(AllocError::TooManyConflicts {
@@ -98,7 +108,10 @@ pub async fn allocate<S: Store>(
                 attempts: conflicts,
             });
         }
-        let pool = ensure_pool(store, range).await?;
+        let pool = match snapshot.take() {
+            Some(pool) => pool,
+            None => ensure_pool(store, range).await?,
+        };
         if let Some((offset, entry)) = pool.entry_of(&who.podref, &who.ifname) {
             match reuse(store, range, scope, &pool, offset, entry, who).await? {
                 Some(ip) => return Ok(Allocated { ip, conflicts }),
@@ -108,108 +121,405 @@ pub async fn allocate<S: Store>(
                 }
             }
         }
-        let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
-        taken.extend(&skip);
-        let Some(offset) = range.range.pick(&taken, races, |n| fastrand::usize(..n)) else {
-            return Err(exhausted(range));
+        // Claims whose pool entries are still being written are taken too, and how many there
+        // are tells whether others are allocating from this pool right now.
+        let pending = if scope.overlapping {
+            pending_claims(store, range, &pool, None).await?
+        } else {
+            Vec::new()
         };
-        match claim_and_record(store, range, scope, &pool, offset, who).await? {
+        // An address lost without reading it back: a race if the winner claimed it for this
+        // pool, else a steady reservation of an overlapping range.
+        if let Some(lost) = unverified.take()
+            && pending.iter().any(|p| p.offset == lost)
+        {
+            races += 1;
+            backoff(races).await;
+        }
+        let contended = pending.iter().any(|p| !p.is_of(who)) || races > 0;
+        let attempt = match pending.iter().find(|p| p.is_of(who)) {
+            // An earlier attempt of this attachment claimed an address but did not record it.
+            Some(own) => Attempt {
+                offset: own.offset,
+                claimed: Some(own.uid.clone()),
+                verify: true,
+            },
+            None => {
+                let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
+                taken.extend(&skip);
+                taken.extend(pending.iter().map(|p| p.offset));
+                let spread = races + contenders_hint(pending.len());
+                let Some(offset) = range.range.pick(&taken, spread, |n| fastrand::usize(..n))
+                else {
+                    return Err(exhausted(range));
+                };
+                // A first lost claim is almost always a concurrent claimant: skip the read
+                // that would tell it from a steady reservation of an overlapping range.
+                Attempt {
+                    offset,
+                    claimed: None,
+                    verify: conflicts > 0,
+                }
+            }
+        };
+        let offset = attempt.offset;
+        match claim_and_record(store, range, scope, &pool, attempt, who, contended).await? {
             Ok(ip) => return Ok(Allocated { ip, conflicts }),
             Err(lost) => {
                 skip.insert(offset);
                 conflicts += 1;
-                if lost == Claim::Race {
-                    races += 1;
-                    backoff(races).await;
+                match lost {
+                    Claim::Race => {
+                        races += 1;
+                        backoff(races).await;
+                    }
+                    Claim::Lost => unverified = Some(offset),
+                    Claim::Ours(_) | Claim::Occupied => {}
                 }
+                snapshot = Some(pool);
             }
         }
     }
 }
 
+/// One try at an address.
+struct Attempt {
+    offset: u128,
+    /// The reservation's UID when the address is already claimed for this attachment.
+    claimed: Option<String>,
+    /// Whether a lost claim is read back to tell a race from a steady reservation.
+    verify: bool,
+}
+
+/// How far to spread the first pick when `pending` other claims are in flight: claimants that
+/// read the same pool at the same moment would otherwise all go for the same lowest address.
+fn contenders_hint(pending: usize) -> u32 {
+    usize::BITS - pending.leading_zeros()
+}
+
 /// Claims `offset` and records it in the pool: `Ok(Ok(ip))`, or `Ok(Err(claim))` saying how the
 /// address was lost.
-///
-/// The pool write is conditional on the pool's resourceVersion, which the API server checks before
-/// doing anything else: a stale write costs one cheap 409, not a retry loop inside the API server.
-/// Many concurrent writers of one pool would still each need their own winning turn, so after a
-/// lost write the loser records, together with its own entry, every claim of this pool whose
-/// entry is still missing (group commit): one winning write serves everybody pending, and the
-/// others find their entries already there when they re-read the pool.
 async fn claim_and_record<S: Store>(
     store: &S,
     range: &RangeConfig,
     scope: Scope<'_>,
     pool: &Pool,
-    offset: u128,
+    attempt: Attempt,
     who: &Attachment,
+    contended: bool,
 ) -> Result<Result<IpAddr, Claim>, AllocError> {
+    let offset = attempt.offset;
     let ip = range
         .range
         .addr_at(offset)
         .expect("picked offsets lie in the range");
-    let claim = if scope.overlapping {
-        match claim(store, &range.pool_name, scope.network_name, ip, who).await? {
-            Claim::Ours(uid) => Some(uid),
+    if !scope.overlapping {
+        // No reservations: the pool entry itself is the claim, so there is nothing to record for
+        // anyone else and no reason to wait for a turn.
+        return Ok(
+            match write_own(store, pool.clone(), offset, &who.entry()).await? {
+                true => Ok(ip),
+                false => Err(Claim::Race),
+            },
+        );
+    }
+    let uid = match attempt.claimed {
+        Some(uid) => uid,
+        None => match claim(
+            store,
+            &range.pool_name,
+            scope.network_name,
+            ip,
+            who,
+            attempt.verify,
+        )
+        .await?
+        {
+            Claim::Ours(uid) => uid,
             lost => return Ok(Err(lost)),
-        }
-    } else {
-        None
+        },
     };
     let entry = who.entry();
-    let mut pool = pool.clone();
-    for attempt in 0..MAX_CONFLICTS {
-        match pool.allocations.get(&offset) {
-            Some(e) if e.id == entry.id && e.podref == entry.podref => return Ok(Ok(ip)),
-            Some(_) => break, // recorded for someone else (a writer that takes no reservations)
-            None => {}
-        }
-        let mut entries = vec![(offset, entry.clone())];
-        if attempt > 0 && scope.overlapping {
-            entries.extend(pending_claims(store, range, &pool, offset).await?);
-        }
+    let recorded = if contended {
+        record_in_turn(store, range, pool.clone(), offset, &entry).await?
+    } else {
         match store
-            .add_allocations(&range.pool_name, &entries, &pool.resource_version)
+            .add_allocations(
+                &pool.name,
+                &[(offset, entry.clone())],
+                &pool.resource_version,
+            )
             .await?
         {
-            Write::Done => return Ok(Ok(ip)),
-            Write::Missing => break,
-            Write::Conflict => {
+            Added::Done(_) => true,
+            Added::Missing => false,
+            // Someone else wrote meanwhile: from here on, behave as under contention.
+            Added::Conflict => match store.get_pool(&pool.name).await? {
+                Some(fresh) => record_in_turn(store, range, fresh, offset, &entry).await?,
+                None => false,
+            },
+        }
+    };
+    if recorded {
+        return Ok(Ok(ip));
+    }
+    // Lost to a writer that takes no reservations, or the pool went away. A writer recording
+    // pending claims may have written our entry in the meantime: take it out again, then the claim.
+    store.remove_allocation(&pool.name, offset, &entry).await?;
+    unclaim(store, scope.network_name, ip, &uid).await?;
+    Ok(Err(Claim::Race))
+}
+
+/// Records one entry without reservations: retries while the offset stays free.
+async fn write_own<S: Store>(
+    store: &S,
+    mut pool: Pool,
+    offset: u128,
+    entry: &IPAllocation,
+) -> Result<bool, StoreError> {
+    for attempt in 0..MAX_CONFLICTS {
+        if pool.allocations.contains_key(&offset) {
+            return Ok(false);
+        }
+        match store
+            .add_allocations(
+                &pool.name,
+                &[(offset, entry.clone())],
+                &pool.resource_version,
+            )
+            .await?
+        {
+            Added::Done(_) => return Ok(true),
+            Added::Missing => return Ok(false),
+            Added::Conflict => {
                 jitter(attempt).await;
-                match store.get_pool(&range.pool_name).await? {
+                match store.get_pool(&pool.name).await? {
                     Some(fresh) => pool = fresh,
-                    None => break,
+                    None => return Ok(false),
                 }
             }
         }
     }
-    if let Some(uid) = claim {
-        unclaim(store, scope.network_name, ip, &uid).await?;
-    }
-    Ok(Err(Claim::Race))
+    Ok(false)
 }
 
-/// Entries for this pool's claims that the pool does not hold yet (other than `own`).
+/// How long a claimant waits for the turn holder's next write before it tries the turn again.
+const TURN_WAIT: Duration = Duration::from_millis(200);
+/// How long a claimant waits, after a write without its entry, for the writer's follow-up.
+const SETTLE: Duration = Duration::from_millis(25);
+/// Writes a turn holder makes after its own entry is in, for claims that arrived meanwhile.
+const FOLLOW_UP_WRITES: u32 = 2;
+
+/// Records a claimed entry while others are claiming from the same pool: one claimant at a time
+/// takes the pool's writer turn and records every pending claim in one write (group commit); the
+/// others watch the pool and are usually done when that write lands. True when the entry is in
+/// the pool; false when the offset went to a writer that takes no reservations.
+///
+/// The turn only spares the API server concurrent writes of one object, it guards nothing: every
+/// write is still conditional on the pool's resourceVersion, so a claimant that cannot get a turn
+/// (no Lease permissions) or finds it abandoned by a killed holder just writes.
+async fn record_in_turn<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    mut pool: Pool,
+    offset: u128,
+    entry: &IPAllocation,
+) -> Result<bool, StoreError> {
+    let mut changes: Option<S::Changes> = None;
+    let mut stale = StaleTurn::default();
+    // Set right after a write without our entry: its writer usually follows up within
+    // milliseconds with the claims that came in meanwhile, so wait for that before asking for
+    // the turn, instead of asking on every write.
+    let mut settling = false;
+    loop {
+        match pool.allocations.get(&offset) {
+            Some(e) if same_owner(e, entry) => return Ok(true),
+            Some(_) => return Ok(false),
+            None => {}
+        }
+        if !settling {
+            match store.take_turn(&pool.name, &entry.id).await {
+                TurnAttempt::Taken(turn) => {
+                    // Writers before us have just finished: start from the pool as they left it.
+                    let recorded = match store.get_pool(&pool.name).await {
+                        Ok(Some(fresh)) => write_pending(store, range, fresh, offset, entry).await,
+                        Ok(None) => Ok(false),
+                        Err(e) => Err(e),
+                    };
+                    store.end_turn(&turn).await;
+                    return recorded;
+                }
+                TurnAttempt::Unavailable => {
+                    return write_pending(store, range, pool, offset, entry).await;
+                }
+                TurnAttempt::Busy => {}
+            }
+        }
+        let watch = match changes.as_mut() {
+            Some(watch) => watch,
+            None => match store.watch_pool(&pool.name, &pool.resource_version).await {
+                Ok(watch) => changes.insert(watch),
+                // Rights without watch: write without waiting for others.
+                Err(e) if e.kind() == "forbidden" => {
+                    return write_pending(store, range, pool, offset, entry).await;
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let wait = if settling { SETTLE } else { TURN_WAIT };
+        let wait = wait + Duration::from_millis(fastrand::u64(0..=wait.as_millis() as u64));
+        let was_settling = std::mem::replace(&mut settling, false);
+        match watch.next(wait).await? {
+            Some(fresh) => {
+                pool = fresh;
+                settling = true;
+            }
+            None if watch.ended() => {
+                changes = None;
+                match store.get_pool(&pool.name).await? {
+                    Some(fresh) => pool = fresh,
+                    None => return Ok(false),
+                }
+            }
+            None if was_settling => {}
+            // No write for a while: try the turn again, and take it over if its holder is gone.
+            None => {
+                if stale.abandoned(store, &pool.name).await {
+                    store.break_turn(&pool.name, &stale.uid, &stale.rv).await;
+                }
+            }
+        }
+    }
+}
+
+/// Tells an abandoned writer turn from a busy one: the same Lease object, unchanged, for longer
+/// than a turn may last, measured on this process's monotonic clock (node clocks may disagree).
+#[derive(Default)]
+struct StaleTurn {
+    uid: String,
+    rv: String,
+    since: Option<tokio::time::Instant>,
+}
+
+impl StaleTurn {
+    /// Reads the turn at most once per turn length, so waiting costs almost no requests.
+    async fn abandoned<S: Store>(&mut self, store: &S, pool: &str) -> bool {
+        let now = tokio::time::Instant::now();
+        let turn = Duration::from_secs(TURN_SECONDS);
+        if self.since.is_some_and(|t| now - t < turn) {
+            return false;
+        }
+        let Some((uid, rv)) = store.turn_holder(pool).await else {
+            self.since = None;
+            return false;
+        };
+        if self.since.is_none() || uid != self.uid || rv != self.rv {
+            (self.uid, self.rv, self.since) = (uid, rv, Some(now));
+            return false;
+        }
+        true
+    }
+}
+
+/// Writes the claimant's own entry and every other pending claim of the pool, each write
+/// conditional on the pool's resourceVersion, then follows up for claims that arrived meanwhile.
+async fn write_pending<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    mut pool: Pool,
+    offset: u128,
+    entry: &IPAllocation,
+) -> Result<bool, StoreError> {
+    let mut follow_ups = 0;
+    for attempt in 0..MAX_CONFLICTS {
+        let recorded = match pool.allocations.get(&offset) {
+            Some(e) if same_owner(e, entry) => true,
+            Some(_) => return Ok(false),
+            None => false,
+        };
+        let mut entries: Vec<(u128, IPAllocation)> =
+            pending_claims(store, range, &pool, Some(offset))
+                .await?
+                .into_iter()
+                .map(|p| (p.offset, p.entry))
+                .collect();
+        if recorded {
+            if entries.is_empty() || follow_ups == FOLLOW_UP_WRITES {
+                return Ok(true);
+            }
+            follow_ups += 1;
+        } else {
+            entries.push((offset, entry.clone()));
+        }
+        match store
+            .add_allocations(&pool.name, &entries, &pool.resource_version)
+            .await?
+        {
+            Added::Done(fresh) => pool = fresh,
+            Added::Missing => return Ok(recorded),
+            Added::Conflict => {
+                jitter(attempt).await;
+                match store.get_pool(&pool.name).await? {
+                    Some(fresh) => pool = fresh,
+                    None => return Ok(recorded),
+                }
+            }
+        }
+    }
+    Ok(false)
+}
+
+fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
+    current.id == expected.id && current.podref == expected.podref
+}
+
+/// A claim of the pool whose entry the pool does not hold yet.
+struct PendingClaim {
+    offset: u128,
+    uid: String,
+    entry: IPAllocation,
+}
+
+impl PendingClaim {
+    fn is_of(&self, who: &Attachment) -> bool {
+        self.entry.podref == who.podref && self.entry.ifname == who.ifname
+    }
+}
+
+/// This pool's claims that the pool does not hold yet (other than `own`).
 async fn pending_claims<S: Store>(
     store: &S,
     range: &RangeConfig,
     pool: &Pool,
-    own: u128,
-) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
-    Ok(store
-        .claims_of(&range.pool_name)
-        .await?
+    own: Option<u128>,
+) -> Result<Vec<PendingClaim>, StoreError> {
+    let claims = match store.claims_of(&range.pool_name).await {
+        Ok(claims) => claims,
+        // Rights from before claims were listed: each claimant then records only itself.
+        Err(e) if e.kind() == "forbidden" => {
+            tracing::warn!(error = %e, "cannot list claims (RBAC: list overlappingrangeipreservations); recording only our own");
+            Vec::new()
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(claims
         .into_iter()
-        .filter_map(|(ip, spec)| {
-            let offset = range.range.offset_of(ip)?;
+        .filter_map(|c| {
+            let offset = range.range.offset_of(c.ip)?;
             let entry = IPAllocation {
-                id: spec.containerid,
-                podref: spec.podref,
-                ifname: spec.ifname,
-                poduid: spec.poduid,
-                ipamclaimref: spec.ipamclaimref,
+                id: c.spec.containerid,
+                podref: c.spec.podref,
+                ifname: c.spec.ifname,
+                poduid: c.spec.poduid,
+                ipamclaimref: c.spec.ipamclaimref,
             };
-            (offset != own && !pool.allocations.contains_key(&offset)).then_some((offset, entry))
+            (Some(offset) != own && !pool.allocations.contains_key(&offset)).then_some(
+                PendingClaim {
+                    offset,
+                    uid: c.uid,
+                    entry,
+                },
+            )
         })
         .collect())
 }
@@ -229,6 +539,8 @@ enum Claim {
     Race,
     /// Held steadily by another pod (an overlapping range): just try the next address.
     Occupied,
+    /// Lost, not read back: the next claims list tells `Race` from `Occupied`.
+    Lost,
 }
 
 async fn claim<S: Store>(
@@ -237,6 +549,7 @@ async fn claim<S: Store>(
     network_name: Option<&str>,
     ip: IpAddr,
     who: &Attachment,
+    verify: bool,
 ) -> Result<Claim, StoreError> {
     let name = reservation_name(network_name, ip);
     for _ in 0..3 {
@@ -245,6 +558,9 @@ async fn claim<S: Store>(
             .await?
         {
             return Ok(Claim::Ours(uid));
+        }
+        if !verify {
+            return Ok(Claim::Lost);
         }
         match store.get_reservation(&name).await? {
             Some(r) if r.spec.podref == who.podref && r.spec.ifname == who.ifname => {
@@ -288,7 +604,7 @@ async fn reuse<S: Store>(
         .filter(|_| range.range.is_allocatable(offset));
     let claimed = match ip {
         Some(ip) if scope.overlapping => matches!(
-            claim(store, &pool.name, scope.network_name, ip, who).await?,
+            claim(store, &pool.name, scope.network_name, ip, who, true).await?,
             Claim::Ours(_)
         ),
         Some(_) => true,

@@ -8,13 +8,22 @@
 //! writes; a failed test answers 422, a lost condition, not an error.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions, WatchEvent,
+    WatchParams,
+};
 use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
-use super::{IP_ANNOTATION, POOL_LABEL, Pool, Reservation, Result, Store, StoreError, Write};
+use super::{
+    Added, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, Reservation, Result, Store,
+    StoreError, TURN_SECONDS, Turn, TurnAttempt, Write,
+};
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
     OverlappingRangeIPReservationSpec,
@@ -24,7 +33,15 @@ use crate::crd::{
 pub struct KubeStore {
     pools: Api<IPPool>,
     reservations: Api<OverlappingRangeIPReservation>,
+    leases: Api<Lease>,
     pods: Api<Pod>,
+}
+
+/// The Lease that is `pool`'s writer turn: `whereabouts-<pool>`, in the pool namespace. None when
+/// the name would be too long for an object name (that pool is then written without turns).
+pub fn turn_name(pool: &str) -> Option<String> {
+    let name = format!("whereabouts-{pool}");
+    (name.len() <= 253).then_some(name)
 }
 
 impl KubeStore {
@@ -32,6 +49,7 @@ impl KubeStore {
         KubeStore {
             pools: Api::namespaced(client.clone(), namespace),
             reservations: Api::namespaced(client.clone(), namespace),
+            leases: Api::namespaced(client.clone(), namespace),
             pods: Api::all(client),
         }
     }
@@ -123,6 +141,73 @@ fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
     }
 }
 
+fn to_pool(name: &str, p: IPPool) -> Pool {
+    let rv = p.metadata.resource_version.unwrap_or_default();
+    let (pool, unparsed) = Pool::from_stored(name.to_owned(), p.spec.range, p.spec.allocations, rv);
+    if !unparsed.is_empty() {
+        tracing::warn!(pool = name, keys = ?unparsed, "ignoring allocation keys that are not decimal offsets");
+    }
+    pool
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<IPPool>>> + Send>>;
+
+/// A watch of one IPPool.
+pub struct KubeChanges {
+    pool: String,
+    /// `None` once the watch ended: the caller re-reads and watches again.
+    stream: Option<EventStream>,
+}
+
+impl PoolChanges for KubeChanges {
+    fn ended(&self) -> bool {
+        self.stream.is_none()
+    }
+
+    async fn next(&mut self, wait: std::time::Duration) -> Result<Option<Pool>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let Some(stream) = self.stream.as_mut() else {
+                return Ok(None);
+            };
+            let Ok(event) = tokio::time::timeout_at(deadline, stream.next()).await else {
+                return Ok(None);
+            };
+            match event {
+                Some(Ok(WatchEvent::Added(p) | WatchEvent::Modified(p))) => {
+                    return Ok(Some(to_pool(&self.pool, p)));
+                }
+                Some(Ok(WatchEvent::Bookmark(_))) => continue,
+                // Deleted, expired (410), or the stream closed or broke: the caller re-reads.
+                other => {
+                    tracing::debug!(pool = %self.pool, event = ?other.map(|e| e.map(|_| ())), "pool watch ended");
+                    self.stream = None;
+                    return Ok(None);
+                }
+            }
+        }
+    }
+}
+
+impl KubeStore {
+    async fn delete_lease(&self, name: &str, uid: &str, rv: Option<&str>) {
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: rv.map(str::to_owned),
+            }),
+            ..Default::default()
+        };
+        match retrying(|| self.leases.delete(name, &params)).await {
+            Ok(_) => {}
+            Err(e) if matches!(api_code(&e), Some(404 | 409)) => {}
+            Err(e) => {
+                tracing::warn!(lease = %name, error = %e, "cannot give back the pool's writer turn; it expires in {TURN_SECONDS} s")
+            }
+        }
+    }
+}
+
 fn entry_path(offset: u128) -> String {
     format!("/spec/allocations/{offset}")
 }
@@ -141,14 +226,7 @@ impl Store for KubeStore {
         let found = retrying(|| self.pools.get_opt(name))
             .await
             .map_err(|e| error("get", format!("ippool {name}"), e))?;
-        Ok(found.map(|p| {
-            let rv = p.metadata.resource_version.unwrap_or_default();
-            let (pool, unparsed) = Pool::from_stored(name.to_owned(), p.spec.range, p.spec.allocations, rv);
-            if !unparsed.is_empty() {
-                tracing::warn!(pool = name, keys = ?unparsed, "ignoring allocation keys that are not decimal offsets");
-            }
-            pool
-        }))
+        Ok(found.map(|p| to_pool(name, p)))
     }
 
     async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
@@ -175,7 +253,7 @@ impl Store for KubeStore {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> Result<Write> {
+    ) -> Result<Added> {
         // A merge patch carrying metadata.resourceVersion: the API server compares it before
         // applying anything and answers 409 at once when the pool moved on.
         let allocations: serde_json::Map<String, Value> = entries
@@ -190,12 +268,83 @@ impl Store for KubeStore {
         let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
         let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
         match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(_) => Ok(Write::Done),
+            Ok(written) => Ok(Added::Done(to_pool(pool, written))),
             Err(e) => match api_code(&e) {
-                Some(404) => Ok(Write::Missing),
-                Some(409) => Ok(Write::Conflict),
+                Some(404) => Ok(Added::Missing),
+                Some(409) => Ok(Added::Conflict),
                 _ => Err(error("patch", format!("ippool {pool}"), e)),
             },
+        }
+    }
+
+    type Changes = KubeChanges;
+
+    async fn watch_pool(&self, pool: &str, resource_version: &str) -> Result<KubeChanges> {
+        let params = WatchParams::default().fields(&format!("metadata.name={pool}"));
+        let stream = retrying(|| self.pools.watch(&params, resource_version))
+            .await
+            .map_err(|e| error("watch", format!("ippool {pool}"), e))?;
+        Ok(KubeChanges {
+            pool: pool.to_owned(),
+            stream: Some(Box::pin(stream)),
+        })
+    }
+
+    async fn take_turn(&self, pool: &str, holder: &str) -> TurnAttempt {
+        let Some(name) = turn_name(pool) else {
+            return TurnAttempt::Unavailable;
+        };
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.to_owned()),
+                lease_duration_seconds: Some(TURN_SECONDS as i32),
+                ..Default::default()
+            }),
+        };
+        // One attempt, no retries: a busy API server is a reason to write without a turn.
+        match self.leases.create(&PostParams::default(), &lease).await {
+            Ok(created) => TurnAttempt::Taken(Turn {
+                pool: pool.to_owned(),
+                uid: created.metadata.uid.unwrap_or_default(),
+            }),
+            Err(e) if api_code(&e) == Some(409) => TurnAttempt::Busy,
+            Err(e) => {
+                tracing::warn!(lease = %name, error = %e, "cannot take the pool's writer turn; writing without it");
+                TurnAttempt::Unavailable
+            }
+        }
+    }
+
+    async fn end_turn(&self, turn: &Turn) {
+        if let Some(name) = turn_name(&turn.pool) {
+            self.delete_lease(&name, &turn.uid, None).await;
+        }
+    }
+
+    async fn turn_holder(&self, pool: &str) -> Option<(String, String)> {
+        let name = turn_name(pool)?;
+        match self.leases.get_opt(&name).await {
+            Ok(found) => found.map(|l| {
+                (
+                    l.metadata.uid.unwrap_or_default(),
+                    l.metadata.resource_version.unwrap_or_default(),
+                )
+            }),
+            Err(e) => {
+                tracing::debug!(lease = %name, error = %e, "cannot read the pool's writer turn");
+                None
+            }
+        }
+    }
+
+    async fn break_turn(&self, pool: &str, uid: &str, rv: &str) {
+        if let Some(name) = turn_name(pool) {
+            tracing::warn!(lease = %name, "taking over a writer turn that stood still for {TURN_SECONDS} s");
+            self.delete_lease(&name, uid, Some(rv)).await;
         }
     }
 
@@ -259,10 +408,7 @@ impl Store for KubeStore {
         }
     }
 
-    async fn claims_of(
-        &self,
-        pool: &str,
-    ) -> Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>> {
+    async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
         // Served from the API server's watch cache: cheap, possibly a moment old, which is fine
         // (each writer adds its own claim explicitly).
         let params = ListParams::default()
@@ -281,15 +427,17 @@ impl Store for KubeStore {
             .items
             .into_iter()
             .filter_map(|r| {
-                Some((
-                    r.metadata
+                Some(PoolClaim {
+                    ip: r
+                        .metadata
                         .annotations
                         .as_ref()?
                         .get(IP_ANNOTATION)?
                         .parse()
                         .ok()?,
-                    r.spec,
-                ))
+                    uid: r.metadata.uid.unwrap_or_default(),
+                    spec: r.spec,
+                })
             })
             .collect())
     }

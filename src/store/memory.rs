@@ -2,18 +2,42 @@
 //! of the CNI handlers (including concurrency) without a cluster.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use super::{Pool, Reservation, Result, Store, StoreError, Write};
+use tokio::sync::watch;
+
+use super::{
+    Added, Pool, PoolChanges, PoolClaim, Reservation, Result, Store, StoreError, Turn, TurnAttempt,
+    Write,
+};
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 
-#[derive(Default)]
 pub struct MemoryStore {
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
     next: AtomicU64,
+    /// Bumped on every pool write, to wake watchers.
+    writes: watch::Sender<u64>,
     /// When set, every call fails with this message (to test error paths).
     pub fail: Mutex<Option<String>>,
+    /// Counters of calls by kind, for tests that check how much work was done.
+    pub calls: Mutex<BTreeMap<&'static str, u64>>,
+    /// When set, every call yields to the scheduler first, so that concurrent tasks interleave
+    /// between requests the way concurrent processes do against an API server.
+    interleave: std::sync::atomic::AtomicBool,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore {
+            state: Arc::default(),
+            next: AtomicU64::new(0),
+            writes: watch::Sender::new(0),
+            fail: Mutex::default(),
+            calls: Mutex::default(),
+            interleave: Default::default(),
+        }
+    }
 }
 
 #[derive(Default, Clone)]
@@ -23,6 +47,19 @@ struct State {
     /// The pool and address each reservation was claimed for.
     claims: BTreeMap<String, (String, std::net::IpAddr)>,
     pods: HashMap<String, String>,
+    /// Writer turns by pool: the turn's uid.
+    turns: BTreeMap<String, String>,
+}
+
+impl State {
+    fn pool(&self, name: &str) -> Option<Pool> {
+        self.pools.get(name).map(|(range, allocations, rv)| Pool {
+            name: name.into(),
+            range: range.clone(),
+            allocations: allocations.clone(),
+            resource_version: rv.to_string(),
+        })
+    }
 }
 
 impl MemoryStore {
@@ -64,6 +101,43 @@ impl MemoryStore {
             .or_insert_with(|| (range.into(), BTreeMap::new(), 1));
         p.1.insert(offset, entry);
         p.2 += 1;
+        drop(s);
+        self.writes.send_modify(|n| *n += 1);
+    }
+
+    /// Leaves a writer turn on `pool` that nobody will give back, as a killed writer would.
+    pub fn abandon_turn(&self, pool: &str) {
+        self.state
+            .lock()
+            .unwrap()
+            .turns
+            .insert(pool.into(), "abandoned".into());
+    }
+
+    /// Whether `pool`'s writer turn is held.
+    pub fn turn_held(&self, pool: &str) -> bool {
+        self.state.lock().unwrap().turns.contains_key(pool)
+    }
+
+    /// How many calls of `kind` were made (`"patch"`, `"take_turn"`, ...).
+    pub fn count(&self, kind: &str) -> u64 {
+        self.calls.lock().unwrap().get(kind).copied().unwrap_or(0)
+    }
+
+    /// Makes every call yield first (see the field).
+    pub fn interleaved(self) -> Self {
+        self.interleave.store(true, Ordering::Relaxed);
+        self
+    }
+
+    async fn pause(&self) {
+        if self.interleave.load(Ordering::Relaxed) {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn counted(&self, kind: &'static str) {
+        *self.calls.lock().unwrap().entry(kind).or_default() += 1;
     }
 
     fn check(&self, op: &'static str, object: &str) -> Result<()> {
@@ -92,8 +166,44 @@ impl MemoryStore {
         let outcome = f(allocations, *rv);
         if outcome == Write::Done {
             *rv += 1;
+            drop(s);
+            self.writes.send_modify(|n| *n += 1);
         }
         Ok(outcome)
+    }
+}
+
+/// Watches a pool of a [`MemoryStore`].
+pub struct MemoryChanges {
+    state: Arc<Mutex<State>>,
+    writes: watch::Receiver<u64>,
+    pool: String,
+    seen: String,
+}
+
+impl PoolChanges for MemoryChanges {
+    fn ended(&self) -> bool {
+        !self.state.lock().unwrap().pools.contains_key(&self.pool)
+    }
+
+    async fn next(&mut self, wait: std::time::Duration) -> Result<Option<Pool>> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            self.writes.borrow_and_update();
+            let current = self.state.lock().unwrap().pool(&self.pool);
+            match current {
+                None => return Ok(None),
+                Some(p) if p.resource_version != self.seen => {
+                    self.seen = p.resource_version.clone();
+                    return Ok(Some(p));
+                }
+                Some(_) => {}
+            }
+            match tokio::time::timeout_at(deadline, self.writes.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return Ok(None),
+            }
+        }
     }
 }
 
@@ -103,14 +213,10 @@ fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
 
 impl Store for MemoryStore {
     async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
+        self.pause().await;
         self.check("get", name)?;
-        let s = self.state.lock().unwrap();
-        Ok(s.pools.get(name).map(|(range, allocations, rv)| Pool {
-            name: name.into(),
-            range: range.clone(),
-            allocations: allocations.clone(),
-            resource_version: rv.to_string(),
-        }))
+        self.counted("get_pool");
+        Ok(self.state.lock().unwrap().pool(name))
     }
 
     async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
@@ -121,6 +227,8 @@ impl Store for MemoryStore {
         }
         s.pools
             .insert(name.into(), (range.into(), BTreeMap::new(), 1));
+        drop(s);
+        self.writes.send_modify(|n| *n += 1);
         Ok(Write::Done)
     }
 
@@ -129,8 +237,10 @@ impl Store for MemoryStore {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> Result<Write> {
-        self.with_pool("patch", pool, |allocations, rv| {
+    ) -> Result<Added> {
+        self.pause().await;
+        self.counted("patch");
+        let outcome = self.with_pool("patch", pool, |allocations, rv| {
             if rv.to_string() != resource_version {
                 return Write::Conflict;
             }
@@ -138,7 +248,66 @@ impl Store for MemoryStore {
                 allocations.insert(*offset, entry.clone());
             }
             Write::Done
+        })?;
+        Ok(match outcome {
+            Write::Done => match self.state.lock().unwrap().pool(pool) {
+                Some(p) => Added::Done(p),
+                None => Added::Missing,
+            },
+            Write::Conflict => Added::Conflict,
+            Write::Missing => Added::Missing,
         })
+    }
+
+    type Changes = MemoryChanges;
+
+    async fn watch_pool(&self, pool: &str, resource_version: &str) -> Result<MemoryChanges> {
+        self.check("watch", pool)?;
+        self.counted("watch");
+        Ok(MemoryChanges {
+            state: self.state.clone(),
+            writes: self.writes.subscribe(),
+            pool: pool.into(),
+            seen: resource_version.into(),
+        })
+    }
+
+    async fn take_turn(&self, pool: &str, _holder: &str) -> TurnAttempt {
+        self.pause().await;
+        if self.check("create", pool).is_err() {
+            return TurnAttempt::Unavailable;
+        }
+        self.counted("take_turn");
+        let mut s = self.state.lock().unwrap();
+        if s.turns.contains_key(pool) {
+            return TurnAttempt::Busy;
+        }
+        let uid = format!("turn-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        s.turns.insert(pool.into(), uid.clone());
+        TurnAttempt::Taken(Turn {
+            pool: pool.into(),
+            uid,
+        })
+    }
+
+    async fn end_turn(&self, turn: &Turn) {
+        let mut s = self.state.lock().unwrap();
+        if s.turns.get(&turn.pool) == Some(&turn.uid) {
+            s.turns.remove(&turn.pool);
+        }
+    }
+
+    async fn turn_holder(&self, pool: &str) -> Option<(String, String)> {
+        let s = self.state.lock().unwrap();
+        s.turns.get(pool).map(|uid| (uid.clone(), uid.clone()))
+    }
+
+    async fn break_turn(&self, pool: &str, uid: &str, _rv: &str) {
+        self.counted("break_turn");
+        let mut s = self.state.lock().unwrap();
+        if s.turns.get(pool).map(String::as_str) == Some(uid) {
+            s.turns.remove(pool);
+        }
     }
 
     async fn replace_allocation(
@@ -183,6 +352,7 @@ impl Store for MemoryStore {
         pool: &str,
         ip: std::net::IpAddr,
     ) -> Result<(Write, String)> {
+        self.pause().await;
         self.check("create", name)?;
         let mut s = self.state.lock().unwrap();
         if s.reservations.contains_key(name) {
@@ -203,20 +373,27 @@ impl Store for MemoryStore {
         Ok((Write::Done, uid))
     }
 
-    async fn claims_of(
-        &self,
-        pool: &str,
-    ) -> Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>> {
+    async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
+        self.pause().await;
         self.check("list", pool)?;
+        self.counted("claims_of");
         let s = self.state.lock().unwrap();
         Ok(s.claims
             .iter()
             .filter(|(_, (p, _))| p == pool)
-            .filter_map(|(name, (_, ip))| Some((*ip, s.reservations.get(name)?.spec.clone())))
+            .filter_map(|(name, (_, ip))| {
+                let r = s.reservations.get(name)?;
+                Some(PoolClaim {
+                    ip: *ip,
+                    uid: r.uid.clone(),
+                    spec: r.spec.clone(),
+                })
+            })
             .collect())
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
+        self.pause().await;
         self.check("get", name)?;
         Ok(self.state.lock().unwrap().reservations.get(name).cloned())
     }

@@ -9,6 +9,14 @@
 //!   is still the object we looked at (UID precondition).
 //!
 //! A lost condition comes back as [`Write::Conflict`], never as an error: the caller decides.
+//!
+//! One thing is not a condition but a courtesy: a pool's *writer turn* (a short-lived Lease).
+//! Many plugins writing one pool at the same moment are all correct but slow, because every
+//! losing write still costs the API server a full decode-patch-validate-encode of the pool. So a
+//! plugin that finds others claiming the same pool takes the turn before writing and records every
+//! pending claim at once, while the others wait for that write on a watch. Nothing depends on the
+//! turn for correctness: a writer without it (RBAC without Leases, a turn abandoned by a killed
+//! process) is still held to the resourceVersion precondition.
 
 pub mod kube;
 pub mod memory;
@@ -74,6 +82,51 @@ pub const POOL_LABEL: &str = "whereabouts.cni.cncf.io/pool";
 /// The claimed address, on our reservations (the name encodes it only up to the network prefix).
 pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
 
+/// The outcome of [`Store::add_allocations`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Added {
+    /// Written; the pool as it is now (with its new resourceVersion).
+    Done(Pool),
+    /// The pool moved on since it was read.
+    Conflict,
+    /// The pool is not there.
+    Missing,
+}
+
+/// How long a writer turn may stand unchanged before waiters take it as abandoned. A turn lasts a
+/// few pool writes, well under a second; a killed holder costs the others this long.
+pub const TURN_SECONDS: u64 = 5;
+
+/// A pool's writer turn, held until [`Store::end_turn`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turn {
+    pub pool: String,
+    pub uid: String,
+}
+
+/// The outcome of [`Store::take_turn`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TurnAttempt {
+    Taken(Turn),
+    /// Another writer holds it.
+    Busy,
+    /// Turns cannot be taken here (no Lease permissions, a pool name too long for a Lease, an API
+    /// failure): write without one.
+    Unavailable,
+}
+
+/// Later versions of one pool, as a watch delivers them.
+pub trait PoolChanges: Send {
+    /// The next version of the pool, or `None` when none came within `wait` or the watch ended
+    /// (the caller re-reads instead).
+    fn next(
+        &mut self,
+        wait: std::time::Duration,
+    ) -> impl Future<Output = Result<Option<Pool>>> + Send;
+    /// True once the watch has ended (then `next` returns `None` at once).
+    fn ended(&self) -> bool;
+}
+
 /// The outcome of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Write {
@@ -82,6 +135,14 @@ pub enum Write {
     Conflict,
     /// The object is not there.
     Missing,
+}
+
+/// A reservation made for a pool by our plugin: the claimed address and the reservation's UID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolClaim {
+    pub ip: std::net::IpAddr,
+    pub uid: String,
+    pub spec: OverlappingRangeIPReservationSpec,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,7 +218,24 @@ pub trait Store: Send + Sync {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> impl Future<Output = Result<Write>> + Send;
+    ) -> impl Future<Output = Result<Added>> + Send;
+    /// Watches `pool` for versions after `resource_version`.
+    fn watch_pool(
+        &self,
+        pool: &str,
+        resource_version: &str,
+    ) -> impl Future<Output = Result<Self::Changes>> + Send;
+    type Changes: PoolChanges;
+    /// Takes the writer turn of `pool` (create-or-conflict). Failures are `Unavailable`, never
+    /// errors: the turn is a courtesy.
+    fn take_turn(&self, pool: &str, holder: &str) -> impl Future<Output = TurnAttempt> + Send;
+    /// Gives the turn back (only if it is still this turn's object).
+    fn end_turn(&self, turn: &Turn) -> impl Future<Output = ()> + Send;
+    /// The current turn object of `pool`, as (uid, resourceVersion), if any.
+    fn turn_holder(&self, pool: &str) -> impl Future<Output = Option<(String, String)>> + Send;
+    /// Removes a turn that has not changed for too long (its holder died), only if it is still
+    /// exactly the object that was looked at.
+    fn break_turn(&self, pool: &str, uid: &str, rv: &str) -> impl Future<Output = ()> + Send;
     /// Replaces the entry at `offset` if it still holds `expected`'s container and pod.
     fn replace_allocation(
         &self,
@@ -184,10 +262,7 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<(Write, String)>> + Send;
     /// Claims made for `pool` by our plugin (label and address annotation), as the API server's
     /// cache has them.
-    fn claims_of(
-        &self,
-        pool: &str,
-    ) -> impl Future<Output = Result<Vec<(std::net::IpAddr, OverlappingRangeIPReservationSpec)>>> + Send;
+    fn claims_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
     fn get_reservation(
         &self,
         name: &str,
