@@ -11,9 +11,9 @@ use kube::runtime::watcher::Event;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tower_test::mock;
-use whereabouts::controller::cleanup::{Trigger, release_pod};
+use whereabouts::controller::cleanup::{Trigger, release_pod, release_pods};
 use whereabouts::controller::{Caches, Context, Options};
-use whereabouts::crd::{IPAllocation, IPPool, IPPoolSpec};
+use whereabouts::crd::{IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation};
 use whereabouts::ownership::PodIdentity;
 
 type Handle = mock::Handle<Request<Body>, Response<Body>>;
@@ -24,17 +24,30 @@ const RESERVATIONS: &str =
 
 /// A context whose pool cache holds `pools` and whose API server is the returned mock.
 fn context(pools: Vec<IPPool>, dry_run: bool) -> (Context, Handle) {
+    context_with(pools, vec![], dry_run)
+}
+
+/// The same with a reservation cache holding `reservations`.
+fn context_with(
+    pools: Vec<IPPool>,
+    reservations: Vec<OverlappingRangeIPReservation>,
+    dry_run: bool,
+) -> (Context, Handle) {
     let (service, handle) = mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "default");
     let (pool_store, mut writer) = reflector::store::<IPPool>();
     for p in pools {
         writer.apply_watcher_event(&Event::Apply(p));
     }
+    let (res_store, mut res_writer) = reflector::store::<OverlappingRangeIPReservation>();
+    for r in reservations {
+        res_writer.apply_watcher_event(&Event::Apply(r));
+    }
     let caches = Caches {
         pods: reflector::store().0,
         nads: reflector::store().0,
         pools: pool_store,
-        reservations: reflector::store().0,
+        reservations: res_store,
     };
     let opts = Options {
         pool_namespace: "kube-system".into(),
@@ -58,6 +71,7 @@ fn pool(entries: &[(u128, &str, &str)]) -> IPPool {
         },
     );
     p.metadata.namespace = Some("kube-system".into());
+    p.metadata.resource_version = Some("7".into());
     for (offset, podref, uid) in entries {
         p.spec.allocations.insert(
             offset.to_string(),
@@ -130,8 +144,33 @@ async fn serve(mut handle: Handle, calls: Vec<Call>) {
 }
 
 fn reservation(podref: &str) -> Value {
+    reservation_of(5, podref)
+}
+
+fn reservation_of(offset: u128, podref: &str) -> Value {
     json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
-           "metadata": {"name": "10.0.0.5", "namespace": "kube-system", "uid": "r-1"}, "spec": {"podref": podref, "containerid": "c5"}})
+           "metadata": {"name": format!("10.0.0.{offset}"), "namespace": "kube-system", "uid": format!("r-{offset}")},
+           "spec": {"podref": podref, "containerid": format!("c{offset}")}})
+}
+
+fn get_pool(answer: IPPool) -> Call {
+    Call {
+        method: Method::GET,
+        path: format!("{POOLS}/10.0.0.0-24"),
+        body: any,
+        status: StatusCode::OK,
+        answer: serde_json::to_value(answer).unwrap(),
+    }
+}
+
+fn event_call() -> Call {
+    Call {
+        method: Method::POST,
+        path: "/apis/events.k8s.io/v1/namespaces/ns/events".into(),
+        body: any,
+        status: StatusCode::CREATED,
+        answer: event_answer(),
+    }
 }
 
 fn event_answer() -> Value {
@@ -142,20 +181,21 @@ fn event_answer() -> Value {
 async fn a_deleted_pods_entry_is_removed_conditionally_then_its_reservation() {
     let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua"), (6, "ns/b", "ub")])], false);
     let calls = vec![
+        // A fresh read: owners are checked in the version the write is conditional on.
+        get_pool(pool(&[(5, "ns/a", "ua"), (6, "ns/b", "ub")])),
         Call {
             method: Method::PATCH,
             path: format!("{POOLS}/10.0.0.0-24"),
             body: |b| {
                 assert_eq!(
                     b,
-                    &json!([{"op": "test", "path": "/spec/allocations/5/id", "value": "c5"},
-                            {"op": "test", "path": "/spec/allocations/5/podref", "value": "ns/a"},
-                            {"op": "remove", "path": "/spec/allocations/5"}])
+                    &json!({"metadata": {"resourceVersion": "7"}, "spec": {"allocations": {"5": null}}})
                 )
             },
             status: StatusCode::OK,
             answer: serde_json::to_value(pool(&[(6, "ns/b", "ub")])).unwrap(),
         },
+        // Not in the reservation cache: read it.
         Call {
             method: Method::GET,
             path: format!("{RESERVATIONS}/10.0.0.5"),
@@ -168,7 +208,7 @@ async fn a_deleted_pods_entry_is_removed_conditionally_then_its_reservation() {
             path: format!("{RESERVATIONS}/10.0.0.5"),
             body: |b| {
                 assert_eq!(
-                    b["preconditions"]["uid"], "r-1",
+                    b["preconditions"]["uid"], "r-5",
                     "deleted only if still the reservation we read"
                 )
             },
@@ -202,6 +242,118 @@ async fn a_deleted_pods_entry_is_removed_conditionally_then_its_reservation() {
     server.await.unwrap();
 }
 
+/// Many pods at once: one read and one write of the pool for all of them, reservations deleted
+/// straight from the cache's UIDs, one event per pod.
+#[tokio::test]
+async fn a_batch_of_pods_is_released_with_one_pool_write() {
+    let entries = [(5, "ns/a", "ua"), (6, "ns/b", "ub"), (7, "ns/c", "uc")];
+    let reservations = [(5, "ns/a"), (6, "ns/b")]
+        .iter()
+        .map(|(o, p)| serde_json::from_value(reservation_of(*o, p)).unwrap())
+        .collect();
+    let (ctx, handle) = context_with(vec![pool(&entries)], reservations, false);
+    let calls = vec![
+        get_pool(pool(&entries)),
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: |b| {
+                assert_eq!(
+                    b,
+                    &json!({"metadata": {"resourceVersion": "7"}, "spec": {"allocations": {"5": null, "6": null}}})
+                )
+            },
+            status: StatusCode::OK,
+            answer: serde_json::to_value(pool(&[(7, "ns/c", "uc")])).unwrap(),
+        },
+        Call {
+            method: Method::DELETE,
+            path: format!("{RESERVATIONS}/10.0.0.5"),
+            body: |b| assert_eq!(b["preconditions"]["uid"], "r-5"),
+            status: StatusCode::OK,
+            answer: reservation_of(5, "ns/a"),
+        },
+        Call {
+            method: Method::DELETE,
+            path: format!("{RESERVATIONS}/10.0.0.6"),
+            body: |b| assert_eq!(b["preconditions"]["uid"], "r-6"),
+            status: StatusCode::OK,
+            answer: reservation_of(6, "ns/b"),
+        },
+        event_call(),
+        event_call(),
+    ];
+    let server = tokio::spawn(serve(handle, calls));
+    let pods = [("ns/a", "ua"), ("ns/b", "ub")].map(|(podref, uid)| {
+        (
+            PodIdentity {
+                podref: podref.into(),
+                uid: uid.into(),
+                addresses: vec![],
+            },
+            Trigger::Deleted,
+        )
+    });
+    let outcomes = release_pods(&ctx, &pods).await;
+    let released: Vec<_> = outcomes
+        .iter()
+        .map(|o| o.as_ref().unwrap().released["10.0.0.0-24"].clone())
+        .collect();
+    assert_eq!(
+        released,
+        [
+            ["10.0.0.5".parse::<std::net::IpAddr>().unwrap()],
+            ["10.0.0.6".parse().unwrap()]
+        ]
+    );
+    server.await.unwrap();
+}
+
+/// Another writer got in between the read and the write: read again, check owners again, write.
+#[tokio::test]
+async fn a_lost_pool_write_is_read_again_and_retried() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
+    let mut moved_on = pool(&[(5, "ns/a", "ua"), (9, "ns/new", "un")]);
+    moved_on.metadata.resource_version = Some("8".into());
+    let calls = vec![
+        get_pool(pool(&[(5, "ns/a", "ua")])),
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: any,
+            status: StatusCode::CONFLICT,
+            answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 409, "reason": "Conflict", "message": "the object has been modified"}),
+        },
+        get_pool(moved_on),
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: |b| {
+                assert_eq!(
+                    b,
+                    &json!({"metadata": {"resourceVersion": "8"}, "spec": {"allocations": {"5": null}}})
+                )
+            },
+            status: StatusCode::OK,
+            answer: serde_json::to_value(pool(&[(9, "ns/new", "un")])).unwrap(),
+        },
+        Call {
+            method: Method::GET,
+            path: format!("{RESERVATIONS}/10.0.0.5"),
+            body: any,
+            status: StatusCode::NOT_FOUND,
+            answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound", "message": "not found", "details": {"name": "10.0.0.5"}}),
+        },
+        event_call(),
+    ];
+    let server = tokio::spawn(serve(handle, calls));
+    let outcome = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
+        .await
+        .unwrap();
+    assert_eq!(outcome.released["10.0.0.0-24"].len(), 1);
+    server.await.unwrap();
+}
+
 #[tokio::test]
 async fn a_statefulset_replacements_entry_causes_no_request() {
     // Same name, newer pod: the entry carries the new UID.
@@ -217,14 +369,11 @@ async fn a_statefulset_replacements_entry_causes_no_request() {
 #[tokio::test]
 async fn an_entry_rebound_after_the_cache_was_read_is_left_alone() {
     let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
-    // The pool changed since the cache saw it: the test op fails (422) and nothing else follows.
-    let calls = vec![Call {
-        method: Method::PATCH,
-        path: format!("{POOLS}/10.0.0.0-24"),
-        body: any,
-        status: StatusCode::UNPROCESSABLE_ENTITY,
-        answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 422, "reason": "Invalid", "message": "testing value /spec/allocations/5/id failed"}),
-    }];
+    // The pool changed since the cache saw it: the fresh read shows the address held by a newer
+    // container of the same pod name, so nothing is written.
+    let mut rebound = pool(&[(5, "ns/a", "ua")]);
+    rebound.spec.allocations.get_mut("5").unwrap().id = "c-new".into();
+    let calls = vec![get_pool(rebound)];
     let server = tokio::spawn(serve(handle, calls));
     let outcome = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
         .await
@@ -237,6 +386,7 @@ async fn an_entry_rebound_after_the_cache_was_read_is_left_alone() {
 async fn a_reservation_held_by_another_pod_is_kept() {
     let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
     let calls = vec![
+        get_pool(pool(&[(5, "ns/a", "ua")])),
         Call {
             method: Method::PATCH,
             path: format!("{POOLS}/10.0.0.0-24"),
@@ -281,13 +431,16 @@ async fn a_dry_run_writes_nothing() {
 async fn an_api_failure_is_an_error_for_the_retry_queue() {
     let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "ua")])], false);
     // Forbidden is not transient: one attempt, then the error goes back to the worker's backoff.
-    let calls = vec![Call {
-        method: Method::PATCH,
-        path: format!("{POOLS}/10.0.0.0-24"),
-        body: any,
-        status: StatusCode::FORBIDDEN,
-        answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403, "reason": "Forbidden", "message": "ippools is forbidden"}),
-    }];
+    let calls = vec![
+        get_pool(pool(&[(5, "ns/a", "ua")])),
+        Call {
+            method: Method::PATCH,
+            path: format!("{POOLS}/10.0.0.0-24"),
+            body: any,
+            status: StatusCode::FORBIDDEN,
+            answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403, "reason": "Forbidden", "message": "ippools is forbidden"}),
+        },
+    ];
     let server = tokio::spawn(serve(handle, calls));
     let err = release_pod(&ctx, &pod("ua"), Trigger::Deleted)
         .await

@@ -31,7 +31,9 @@ use super::protocol::Attachment;
 use crate::config::RangeConfig;
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::ipam::naming::reservation_name;
-use crate::store::{Added, Pool, PoolChanges, Store, StoreError, TURN_SECONDS, TurnAttempt, Write};
+use crate::store::{
+    Pool, PoolChanges, PoolWrite, Store, StoreError, TURN_SECONDS, TurnAttempt, Write,
+};
 
 /// Attempts per range before giving up with "try again later".
 const MAX_CONFLICTS: u32 = 400;
@@ -251,10 +253,10 @@ async fn claim_and_record<S: Store>(
             )
             .await?
         {
-            Added::Done(_) => true,
-            Added::Missing => false,
+            PoolWrite::Done(_) => true,
+            PoolWrite::Missing => false,
             // Someone else wrote meanwhile: from here on, behave as under contention.
-            Added::Conflict => match store.get_pool(&pool.name).await? {
+            PoolWrite::Conflict => match store.get_pool(&pool.name).await? {
                 Some(fresh) => record_in_turn(store, range, fresh, offset, &entry).await?,
                 None => false,
             },
@@ -289,9 +291,9 @@ async fn write_own<S: Store>(
             )
             .await?
         {
-            Added::Done(_) => return Ok(true),
-            Added::Missing => return Ok(false),
-            Added::Conflict => {
+            PoolWrite::Done(_) => return Ok(true),
+            PoolWrite::Missing => return Ok(false),
+            PoolWrite::Conflict => {
                 jitter(attempt).await;
                 match store.get_pool(&pool.name).await? {
                     Some(fresh) => pool = fresh,
@@ -455,9 +457,9 @@ async fn write_pending<S: Store>(
             .add_allocations(&pool.name, &entries, &pool.resource_version)
             .await?
         {
-            Added::Done(fresh) => pool = fresh,
-            Added::Missing => return Ok(recorded),
-            Added::Conflict => {
+            PoolWrite::Done(fresh) => pool = fresh,
+            PoolWrite::Missing => return Ok(recorded),
+            PoolWrite::Conflict => {
                 jitter(attempt).await;
                 match store.get_pool(&pool.name).await? {
                     Some(fresh) => pool = fresh,
@@ -701,6 +703,47 @@ pub async fn release<S: Store>(
         .map(|(o, e)| (*o, e.clone()))
         .collect();
     release_entries(store, range, scope, &pool.name, &mine).await
+}
+
+/// Removes many entries of one pool in as few writes as possible, each only while it still holds
+/// the same container and pod: the pool is read, the owners checked, and the entries still owned
+/// removed in one write conditional on that read's resourceVersion (re-read and re-checked when
+/// another writer got in between). Returns the entries removed. One write for a thousand entries
+/// instead of a thousand concurrent writes of one object, which the API server serialises by
+/// re-running them (docs/benchmarks.md).
+pub async fn remove_entries<S: Store>(
+    store: &S,
+    pool: &str,
+    entries: &[(u128, IPAllocation)],
+) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
+    for attempt in 0..MAX_CONFLICTS {
+        let Some(current) = store.get_pool(pool).await? else {
+            return Ok(Vec::new());
+        };
+        let owned: Vec<(u128, IPAllocation)> = entries
+            .iter()
+            .filter(|(o, e)| current.allocations.get(o).is_some_and(|c| same_owner(c, e)))
+            .cloned()
+            .collect();
+        if owned.is_empty() {
+            return Ok(owned);
+        }
+        let offsets: Vec<u128> = owned.iter().map(|(o, _)| *o).collect();
+        match store
+            .remove_allocations(pool, &offsets, &current.resource_version)
+            .await?
+        {
+            PoolWrite::Done(_) => return Ok(owned),
+            PoolWrite::Missing => return Ok(Vec::new()),
+            PoolWrite::Conflict => jitter(attempt).await,
+        }
+    }
+    Err(StoreError::Api {
+        op: "patch",
+        object: format!("ippool {pool}"),
+        code: 409,
+        message: format!("gave up after {MAX_CONFLICTS} conflicting writes"),
+    })
 }
 
 /// Removes the given entries (each only while it still holds the same container and pod), then

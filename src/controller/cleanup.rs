@@ -5,17 +5,20 @@
 //! and UID, or the network-status addresses for UID-less entries) and removed with conditional
 //! writes, so an entry re-bound to a newer pod of the same name in the meantime is never touched.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodStatus};
 use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
-use super::pools::entries_of_pod;
-use crate::cni::allocate::release_entries;
+use super::pools::{PoolView, entries_of_pod};
+use crate::cni::allocate::remove_entries;
+use crate::crd::IPAllocation;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status, secondary_addresses,
 };
+use crate::store::Store;
 use crate::store::StoreError;
 
 /// Keeps only what cleanup needs, so a cache of 10,000 pods stays small: name, namespace, UID,
@@ -113,36 +116,141 @@ pub async fn release_pod(
     pod: &PodIdentity,
     trigger: Trigger,
 ) -> Result<Outcome, StoreError> {
-    let pools = ctx.pool_views();
-    let mut outcome = Outcome::default();
-    for (view, entries) in entries_of_pod(&pools, pod) {
-        outcome.found += entries.len();
+    release_pods(ctx, &[(pod.clone(), trigger)])
+        .await
+        .pop()
+        .expect("one outcome per pod")
+}
+
+/// An entry due for release: offset, entry, and the index of its pod in the batch.
+type Due = (u128, IPAllocation, usize);
+
+/// Requests in flight at once for the independent per-address and per-pod calls (reservation
+/// deletes, events); the pool itself is written once per batch.
+const PARALLEL_CALLS: usize = 8;
+
+/// Releases the entries of many pods: each pool is written once for all of them (see
+/// [`remove_entries`]), then the released addresses' reservations are deleted and one event per
+/// pod is published. Returns one outcome per pod, in order; a pool that cannot be written makes
+/// an error for every pod with entries in it, for the retry queue.
+pub async fn release_pods(
+    ctx: &Context,
+    pods: &[(PodIdentity, Trigger)],
+) -> Vec<Result<Outcome, StoreError>> {
+    let views = ctx.pool_views();
+    let mut outcomes: Vec<Result<Outcome, StoreError>> =
+        pods.iter().map(|_| Ok(Outcome::default())).collect();
+    let mut by_pool: BTreeMap<&str, (&PoolView, Vec<Due>)> = BTreeMap::new();
+    for (i, (pod, _)) in pods.iter().enumerate() {
+        for (view, entries) in entries_of_pod(&views, pod) {
+            if let Ok(o) = &mut outcomes[i] {
+                o.found += entries.len();
+            }
+            let slot = by_pool.entry(&view.name).or_insert((view, Vec::new()));
+            slot.1.extend(entries.into_iter().map(|(o, e)| (o, e, i)));
+        }
+    }
+    for (pool, (view, entries)) in by_pool {
         if ctx.opts.dry_run {
-            let ips: Vec<_> = entries.iter().filter_map(|(o, _)| view.ip(*o)).collect();
-            tracing::info!(pod = %pod.podref, pool = %view.name, ?ips, ?trigger, "dry run: would release");
+            for (offset, entry, _) in &entries {
+                tracing::info!(pod = %entry.podref, pool, ip = ?view.ip(*offset), "dry run: would release");
+            }
             continue;
         }
-        let (range, scope) = view.release_target();
-        let ips = release_entries(&ctx.store, &range, scope, &view.name, &entries).await?;
-        crate::metrics::record_releases("pod_deleted", ips.len());
-        outcome.released.insert(view.name.clone(), ips);
+        let result = release_in_pool(ctx, view, &entries).await;
+        for (offset, _, i) in &entries {
+            match (&result, &mut outcomes[*i]) {
+                (Ok(removed), Ok(o)) if removed.contains(offset) => {
+                    let ips = o.released.entry(pool.to_owned()).or_default();
+                    ips.extend(view.ip(*offset));
+                }
+                (Ok(_), _) => {}
+                (Err(e), slot) => *slot = Err(e.clone()),
+            }
+        }
     }
-    // One event per pod (the recorder folds events of one reason on one object into a series).
-    let released: Vec<String> = outcome
-        .released
+    publish_released(ctx, pods, &outcomes).await;
+    outcomes
+}
+
+/// One pool's part of a batch: the entries in one conditional write, then their reservations.
+/// Returns the offsets removed.
+async fn release_in_pool(
+    ctx: &Context,
+    view: &PoolView,
+    entries: &[Due],
+) -> Result<BTreeSet<u128>, StoreError> {
+    let wanted: Vec<(u128, IPAllocation)> =
+        entries.iter().map(|(o, e, _)| (*o, e.clone())).collect();
+    let removed = remove_entries(&ctx.store, &view.name, &wanted).await?;
+    crate::metrics::record_releases("pod_deleted", removed.len());
+    for chunk in removed.chunks(PARALLEL_CALLS) {
+        let deletes = chunk
+            .iter()
+            .map(|(offset, entry)| release_reservation(ctx, view, *offset, entry));
+        for deleted in futures::future::join_all(deletes).await {
+            deleted?;
+        }
+    }
+    Ok(removed.into_iter().map(|(o, _)| o).collect())
+}
+
+/// Deletes the reservation of a released address if it names the same pod. The reservation cache
+/// supplies the UID for the delete's precondition, so a reservation re-made since the cache saw it
+/// is left alone; one the cache does not have yet is read.
+async fn release_reservation(
+    ctx: &Context,
+    view: &PoolView,
+    offset: u128,
+    entry: &IPAllocation,
+) -> Result<(), StoreError> {
+    let Some(name) = view.reservation_of(offset) else {
+        return Ok(());
+    };
+    let key = ObjectRef::new(&name).within(&ctx.opts.pool_namespace);
+    let uid = match ctx.caches.reservations.get(&key) {
+        Some(r) => (r.spec.podref == entry.podref).then(|| r.uid().unwrap_or_default()),
+        None => ctx
+            .store
+            .get_reservation(&name)
+            .await?
+            .filter(|r| r.spec.podref == entry.podref)
+            .map(|r| r.uid),
+    };
+    if let Some(uid) = uid {
+        ctx.store.delete_reservation(&name, &uid).await?;
+    }
+    Ok(())
+}
+
+/// One event per pod that had addresses released (the recorder folds events of one reason on one
+/// object into a series), published a few at a time.
+async fn publish_released(
+    ctx: &Context,
+    pods: &[(PodIdentity, Trigger)],
+    outcomes: &[Result<Outcome, StoreError>],
+) {
+    let due: Vec<(ObjectReference, String)> = pods
         .iter()
-        .flat_map(|(pool, ips)| ips.iter().map(move |ip| format!("{ip} ({pool})")))
+        .zip(outcomes)
+        .filter_map(|((pod, trigger), outcome)| {
+            let released: Vec<String> = outcome
+                .iter()
+                .flat_map(|o| &o.released)
+                .flat_map(|(pool, ips)| ips.iter().map(move |ip| format!("{ip} ({pool})")))
+                .collect();
+            (!released.is_empty()).then(|| {
+                let note = format!("released {} ({trigger:?})", released.join(", "));
+                (reference(pod), note)
+            })
+        })
         .collect();
-    if !released.is_empty() {
-        ctx.event(
-            &reference(pod),
-            false,
-            "AddressReleased",
-            &format!("released {} ({trigger:?})", released.join(", ")),
-        )
-        .await;
+    for chunk in due.chunks(PARALLEL_CALLS) {
+        let events = chunk
+            .iter()
+            .map(|(about, note)| ctx.event(about, false, "AddressReleased", note));
+        futures::future::join_all(events).await;
     }
-    Ok(outcome)
 }
 
 #[cfg(test)]

@@ -301,35 +301,49 @@ async fn elect(
     Ok((rx, Some(task)))
 }
 
-/// How many pods are released at once. Measured: 16 concurrent releases on one 1000-entry pool made
-/// the API server retry its pool updates internally until requests timed out (504), far slower than
-/// one at a time (docs/benchmarks.md, "Operator"). Releases go one at a time until they are batched
-/// into one write per pool.
-const CLEANUP_CONCURRENCY: usize = 1;
+/// The most pods released in one batch. Jobs that arrive while a batch is being released wait
+/// for the next one, so a burst of deletions is released in a few batches, each pool written once
+/// per batch; concurrent writes of one pool were measured to be far slower than serial ones,
+/// because the API server re-runs every write that loses (docs/benchmarks.md, "Operator").
+const BATCH: usize = 1000;
 
-/// Releases due pods' addresses. Errors and empty results that may be cache lag are retried with
-/// exponential backoff a bounded number of times; the audit catches anything left.
+/// Releases due pods' addresses, batch by batch. Errors and empty results that may be cache lag
+/// are retried with exponential backoff a bounded number of times; the audit catches anything
+/// left.
 async fn cleanup_worker(
     ctx: Arc<Context>,
-    rx: mpsc::UnboundedReceiver<Job>,
+    mut rx: mpsc::UnboundedReceiver<Job>,
     tx: mpsc::UnboundedSender<Job>,
 ) {
-    let jobs = futures::stream::unfold(
-        rx,
-        |mut rx| async move { rx.recv().await.map(|job| (job, rx)) },
-    );
-    jobs.for_each_concurrent(CLEANUP_CONCURRENCY, |job| {
-        cleanup_one(ctx.clone(), job, tx.clone())
-    })
-    .await;
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        if !ctx.is_leader() {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let pods: Vec<_> = batch.iter().map(|j| (j.pod.clone(), j.trigger)).collect();
+        let results = cleanup::release_pods(&ctx, &pods).await;
+        tracing::debug!(pods = batch.len(), elapsed = ?started.elapsed(), "released a batch");
+        for (job, result) in batch.into_iter().zip(results) {
+            finish(&ctx, job, result, &tx, started.elapsed()).await;
+        }
+    }
 }
 
-async fn cleanup_one(ctx: Arc<Context>, job: Job, tx: mpsc::UnboundedSender<Job>) {
-    if !ctx.is_leader() {
-        return;
-    }
-    let started = std::time::Instant::now();
-    let result = cleanup::release_pod(&ctx, &job.pod, job.trigger).await;
+/// Logs, counts and (if needed) requeues one pod's release.
+async fn finish(
+    ctx: &Context,
+    job: Job,
+    result: Result<cleanup::Outcome, crate::store::StoreError>,
+    tx: &mpsc::UnboundedSender<Job>,
+    elapsed: Duration,
+) {
     let retry = match &result {
         Ok(o) => {
             if o.found > 0 {
@@ -351,9 +365,10 @@ async fn cleanup_one(ctx: Arc<Context>, job: Job, tx: mpsc::UnboundedSender<Job>
             job.attempt < 8
         }
     };
-    crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), started.elapsed());
+    crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), elapsed);
     if retry {
         let delay = Duration::from_millis(500u64 << job.attempt.min(6));
+        let tx = tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
             let _ = tx.send(Job {

@@ -21,7 +21,7 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    Added, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, Reservation, Result, Store,
+    IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Store,
     StoreError, TURN_SECONDS, Turn, TurnAttempt, Write,
 };
 use crate::crd::{
@@ -136,7 +136,7 @@ fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
         other => StoreError::Transport {
             op,
             object,
-            source: Box::new(other),
+            source: std::sync::Arc::new(other),
         },
     }
 }
@@ -253,7 +253,7 @@ impl Store for KubeStore {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> Result<Added> {
+    ) -> Result<PoolWrite> {
         // A merge patch carrying metadata.resourceVersion: the API server compares it before
         // applying anything and answers 409 at once when the pool moved on.
         let allocations: serde_json::Map<String, Value> = entries
@@ -268,10 +268,34 @@ impl Store for KubeStore {
         let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
         let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
         match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(written) => Ok(Added::Done(to_pool(pool, written))),
+            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
             Err(e) => match api_code(&e) {
-                Some(404) => Ok(Added::Missing),
-                Some(409) => Ok(Added::Conflict),
+                Some(404) => Ok(PoolWrite::Missing),
+                Some(409) => Ok(PoolWrite::Conflict),
+                _ => Err(error("patch", format!("ippool {pool}"), e)),
+            },
+        }
+    }
+
+    async fn remove_allocations(
+        &self,
+        pool: &str,
+        offsets: &[u128],
+        resource_version: &str,
+    ) -> Result<PoolWrite> {
+        // Keys set to null are removed by a merge patch; the resourceVersion makes it all or
+        // nothing against the version whose owners the caller checked.
+        let allocations: serde_json::Map<String, Value> = offsets
+            .iter()
+            .map(|o| (o.to_string(), Value::Null))
+            .collect();
+        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
+            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(PoolWrite::Missing),
+                Some(409) => Ok(PoolWrite::Conflict),
                 _ => Err(error("patch", format!("ippool {pool}"), e)),
             },
         }

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 use super::{
-    Added, Pool, PoolChanges, PoolClaim, Reservation, Result, Store, StoreError, Turn, TurnAttempt,
-    Write,
+    Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Store, StoreError, Turn,
+    TurnAttempt, Write,
 };
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 
@@ -237,7 +237,7 @@ impl Store for MemoryStore {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> Result<Added> {
+    ) -> Result<PoolWrite> {
         self.pause().await;
         self.counted("patch");
         let outcome = self.with_pool("patch", pool, |allocations, rv| {
@@ -251,11 +251,38 @@ impl Store for MemoryStore {
         })?;
         Ok(match outcome {
             Write::Done => match self.state.lock().unwrap().pool(pool) {
-                Some(p) => Added::Done(p),
-                None => Added::Missing,
+                Some(p) => PoolWrite::Done(p),
+                None => PoolWrite::Missing,
             },
-            Write::Conflict => Added::Conflict,
-            Write::Missing => Added::Missing,
+            Write::Conflict => PoolWrite::Conflict,
+            Write::Missing => PoolWrite::Missing,
+        })
+    }
+
+    async fn remove_allocations(
+        &self,
+        pool: &str,
+        offsets: &[u128],
+        resource_version: &str,
+    ) -> Result<PoolWrite> {
+        self.pause().await;
+        self.counted("patch");
+        let outcome = self.with_pool("patch", pool, |allocations, rv| {
+            if rv.to_string() != resource_version {
+                return Write::Conflict;
+            }
+            for offset in offsets {
+                allocations.remove(offset);
+            }
+            Write::Done
+        })?;
+        Ok(match outcome {
+            Write::Done => match self.state.lock().unwrap().pool(pool) {
+                Some(p) => PoolWrite::Done(p),
+                None => PoolWrite::Missing,
+            },
+            Write::Conflict => PoolWrite::Conflict,
+            Write::Missing => PoolWrite::Missing,
         })
     }
 

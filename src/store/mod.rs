@@ -82,9 +82,9 @@ pub const POOL_LABEL: &str = "whereabouts.cni.cncf.io/pool";
 /// The claimed address, on our reservations (the name encodes it only up to the network prefix).
 pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
 
-/// The outcome of [`Store::add_allocations`].
+/// The outcome of [`Store::add_allocations`] and [`Store::remove_allocations`].
 #[derive(Debug, Clone, PartialEq)]
-pub enum Added {
+pub enum PoolWrite {
     /// Written; the pool as it is now (with its new resourceVersion).
     Done(Pool),
     /// The pool moved on since it was read.
@@ -170,7 +170,7 @@ pub fn now_secs() -> i64 {
         .unwrap_or(0)
 }
 
-#[derive(Debug, Error)]
+#[derive(Debug, Clone, Error)]
 pub enum StoreError {
     #[error("{op} {object}: {message}")]
     Api {
@@ -183,7 +183,7 @@ pub enum StoreError {
     Transport {
         op: &'static str,
         object: String,
-        source: Box<dyn std::error::Error + Send + Sync>,
+        source: std::sync::Arc<dyn std::error::Error + Send + Sync>,
     },
     #[error("{op} {object}: stored data is malformed: {message}")]
     Malformed {
@@ -218,7 +218,15 @@ pub trait Store: Send + Sync {
         pool: &str,
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
-    ) -> impl Future<Output = Result<Added>> + Send;
+    ) -> impl Future<Output = Result<PoolWrite>> + Send;
+    /// Removes the entries at `offsets` if the pool is still at `resource_version` (the caller
+    /// checked their owners in that version); `Conflict` otherwise.
+    fn remove_allocations(
+        &self,
+        pool: &str,
+        offsets: &[u128],
+        resource_version: &str,
+    ) -> impl Future<Output = Result<PoolWrite>> + Send;
     /// Watches `pool` for versions after `resource_version`.
     fn watch_pool(
         &self,
