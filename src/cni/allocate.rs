@@ -138,7 +138,8 @@ pub async fn allocate<S: Store>(
             races += 1;
             backoff(races).await;
         }
-        let contended = pending.iter().any(|p| !p.is_of(who)) || races > 0;
+        // How many others are claiming from this pool right now, as far as we can tell.
+        let contenders = pending.iter().filter(|p| !p.is_of(who)).count() + races as usize;
         let attempt = match pending.iter().find(|p| p.is_of(who)) {
             // An earlier attempt of this attachment claimed an address but did not record it.
             Some(own) => Attempt {
@@ -165,7 +166,7 @@ pub async fn allocate<S: Store>(
             }
         };
         let offset = attempt.offset;
-        match claim_and_record(store, range, scope, &pool, attempt, who, contended).await? {
+        match claim_and_record(store, range, scope, &pool, attempt, who, contenders).await? {
             Ok(ip) => return Ok(Allocated { ip, conflicts }),
             Err(lost) => {
                 skip.insert(offset);
@@ -208,7 +209,7 @@ async fn claim_and_record<S: Store>(
     pool: &Pool,
     attempt: Attempt,
     who: &Attachment,
-    contended: bool,
+    contenders: usize,
 ) -> Result<Result<IpAddr, Claim>, AllocError> {
     let offset = attempt.offset;
     let ip = range
@@ -242,8 +243,8 @@ async fn claim_and_record<S: Store>(
         },
     };
     let entry = who.entry();
-    let recorded = if contended {
-        record_in_turn(store, range, pool.clone(), offset, &entry).await?
+    let recorded = if contenders > 0 {
+        record_in_turn(store, range, pool.clone(), offset, &entry, contenders).await?
     } else {
         match store
             .add_allocations(
@@ -257,7 +258,7 @@ async fn claim_and_record<S: Store>(
             PoolWrite::Missing => false,
             // Someone else wrote meanwhile: from here on, behave as under contention.
             PoolWrite::Conflict => match store.get_pool(&pool.name).await? {
-                Some(fresh) => record_in_turn(store, range, fresh, offset, &entry).await?,
+                Some(fresh) => record_in_turn(store, range, fresh, offset, &entry, 1).await?,
                 None => false,
             },
         }
@@ -305,8 +306,11 @@ async fn write_own<S: Store>(
     Ok(false)
 }
 
-/// How long a claimant waits for the turn holder's next write before it tries the turn again.
-const TURN_WAIT: Duration = Duration::from_millis(200);
+/// How long a claimant waits for the turn holder's next write before it tries the turn again:
+/// longer the more claimants there are, so that all of them together ask about as often.
+fn turn_wait(contenders: usize) -> Duration {
+    Duration::from_millis((contenders as u64 * 4).clamp(40, 200))
+}
 /// How long a claimant waits, after a write without its entry, for the writer's follow-up.
 const SETTLE: Duration = Duration::from_millis(25);
 /// Writes a turn holder makes after its own entry is in, for claims that arrived meanwhile.
@@ -326,6 +330,7 @@ async fn record_in_turn<S: Store>(
     mut pool: Pool,
     offset: u128,
     entry: &IPAllocation,
+    contenders: usize,
 ) -> Result<bool, StoreError> {
     let mut changes: Option<S::Changes> = None;
     let mut stale = StaleTurn::default();
@@ -368,7 +373,11 @@ async fn record_in_turn<S: Store>(
                 Err(e) => return Err(e),
             },
         };
-        let wait = if settling { SETTLE } else { TURN_WAIT };
+        let wait = if settling {
+            SETTLE
+        } else {
+            turn_wait(contenders)
+        };
         let wait = wait + Duration::from_millis(fastrand::u64(0..=wait.as_millis() as u64));
         let was_settling = std::mem::replace(&mut settling, false);
         match watch.next(wait).await? {
