@@ -249,6 +249,54 @@ async fn an_abandoned_turn_is_taken_over() {
     assert!(!store.turn_held("10.0.0.0-24"));
 }
 
+/// A claim left by a killed ADD a while ago is not "pending" any more: it still keeps its address
+/// from others, but nobody records it in the pool for a pod that never got the address. A fresh
+/// one is recorded by the next writer (group commit).
+#[tokio::test]
+async fn only_recent_claims_are_recorded_for_others() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let killed = |c: &str, p: &str| whereabouts::crd::OverlappingRangeIPReservationSpec {
+        containerid: c.into(),
+        podref: format!("ns/{p}"),
+        ifname: "net1".into(),
+        ..Default::default()
+    };
+    let claim = |spec, ip: &str| {
+        let name = ip.to_owned();
+        let ip: std::net::IpAddr = ip.parse().unwrap();
+        let store = &store;
+        async move {
+            store
+                .create_reservation(&name, &spec, "10.0.0.0-24", ip)
+                .await
+                .unwrap()
+        }
+    };
+    claim(killed("dead", "dead"), "10.0.0.1").await;
+    store.age_reservations(120);
+    let out = run(&store, Command::Add, &ipam, "c1", "p1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(addresses(&out), ["10.0.0.2/24"]);
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.keys().collect::<Vec<_>>(), [&2]);
+
+    claim(killed("slow", "slow"), "10.0.0.3").await;
+    let out = run(&store, Command::Add, &ipam, "c4", "p4")
+        .await
+        .unwrap()
+        .unwrap();
+    // With a claim in flight the pick spreads over the lowest free addresses.
+    let got: std::net::Ipv4Addr = addresses(&out)[0].trim_end_matches("/24").parse().unwrap();
+    let own = u128::from(got.octets()[3]);
+    assert!(own >= 4, "{got}");
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.keys().collect::<Vec<_>>(), [&2, &3, &own]);
+    assert_eq!(pool.allocations[&3].podref, "ns/slow");
+}
+
 #[tokio::test]
 async fn overlapping_pools_share_addresses_through_reservations() {
     let store = MemoryStore::new();

@@ -21,8 +21,9 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Store,
-    StoreError, TURN_SECONDS, Turn, TurnAttempt, Write,
+    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation,
+    Result, Store, StoreError, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket, now_secs,
+    recent_buckets,
 };
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
@@ -409,7 +410,16 @@ impl Store for KubeStore {
         ip: std::net::IpAddr,
     ) -> Result<(Write, String)> {
         // Label values are at most 63 characters: a longer pool name only loses group commit.
-        let labels = (pool.len() <= 63).then(|| [(POOL_LABEL.to_owned(), pool.to_owned())].into());
+        let labels = (pool.len() <= 63).then(|| {
+            [
+                (POOL_LABEL.to_owned(), pool.to_owned()),
+                (
+                    CLAIMED_LABEL.to_owned(),
+                    claim_bucket(now_secs()).to_string(),
+                ),
+            ]
+            .into()
+        });
         let metadata = ObjectMeta {
             name: Some(name.to_owned()),
             labels,
@@ -435,8 +445,11 @@ impl Store for KubeStore {
     async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
         // Served from the API server's watch cache: cheap, possibly a moment old, which is fine
         // (each writer adds its own claim explicitly).
+        let [a, b, c] = recent_buckets(now_secs());
         let params = ListParams::default()
-            .labels(&format!("{POOL_LABEL}={pool}"))
+            .labels(&format!(
+                "{POOL_LABEL}={pool},{CLAIMED_LABEL} in ({a},{b},{c})"
+            ))
             .match_any();
         let list = retrying(|| self.reservations.list(&params))
             .await

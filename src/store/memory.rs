@@ -410,6 +410,11 @@ impl Store for MemoryStore {
             .filter(|(_, (p, _))| p == pool)
             .filter_map(|(name, (_, ip))| {
                 let r = s.reservations.get(name)?;
+                // Only recent claims, as the Kubernetes store's claim-time label selects them.
+                let recent = super::recent_buckets(super::now_secs());
+                if !recent.contains(&super::claim_bucket(r.created?)) {
+                    return None;
+                }
                 Some(PoolClaim {
                     ip: *ip,
                     uid: r.uid.clone(),

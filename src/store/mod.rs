@@ -81,6 +81,25 @@ impl Pool {
 pub const POOL_LABEL: &str = "whereabouts.cni.cncf.io/pool";
 /// The claimed address, on our reservations (the name encodes it only up to the network prefix).
 pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
+/// When a reservation was made, in [`CLAIM_BUCKET_SECONDS`] buckets since the epoch. Claims still
+/// waiting for their pool entry are seconds old, so listing only the last few buckets returns
+/// them and not the pool's thousands of settled reservations: the cost of a claims list stays
+/// proportional to the claims in flight, not to the size of the pool. A node whose clock is off
+/// by more than a bucket only has its claims recorded by itself instead of by a turn holder.
+pub const CLAIMED_LABEL: &str = "whereabouts.cni.cncf.io/claimed";
+pub const CLAIM_BUCKET_SECONDS: i64 = 30;
+
+/// The claim bucket of a moment, in seconds since the epoch.
+pub fn claim_bucket(secs: i64) -> i64 {
+    secs.div_euclid(CLAIM_BUCKET_SECONDS)
+}
+
+/// The buckets a claims list asks for: the current one and its neighbours (clock skew, and claims
+/// made just before the bucket turned).
+pub fn recent_buckets(now_secs: i64) -> [i64; 3] {
+    let b = claim_bucket(now_secs);
+    [b - 1, b, b + 1]
+}
 
 /// The outcome of [`Store::add_allocations`] and [`Store::remove_allocations`].
 #[derive(Debug, Clone, PartialEq)]
@@ -268,8 +287,8 @@ pub trait Store: Send + Sync {
         pool: &str,
         ip: std::net::IpAddr,
     ) -> impl Future<Output = Result<(Write, String)>> + Send;
-    /// Claims made for `pool` by our plugin (label and address annotation), as the API server's
-    /// cache has them.
+    /// Recent claims made for `pool` by our plugin (pool and claim-time labels, address
+    /// annotation), as the API server's cache has them.
     fn claims_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
     fn get_reservation(
         &self,
