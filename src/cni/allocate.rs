@@ -179,7 +179,10 @@ pub async fn allocate<S: Store>(
                     Claim::Lost => unverified = Some(offset),
                     Claim::Ours(_) | Claim::Occupied => {}
                 }
-                snapshot = Some(pool);
+                // Without reservations the pool is the only record of who holds what: re-read it.
+                if scope.overlapping {
+                    snapshot = Some(pool);
+                }
             }
         }
     }
