@@ -112,7 +112,7 @@ pub async fn allocate<S: Store>(
         }
         let pool = match snapshot.take() {
             Some(pool) => pool,
-            None => ensure_pool(store, range).await?,
+            None => ensure_pool(store, range, conflicts == 0).await?,
         };
         if let Some((offset, entry)) = pool.entry_of(&who.podref, &who.ifname) {
             match reuse(store, range, scope, &pool, offset, entry, who).await? {
@@ -165,7 +165,7 @@ pub async fn allocate<S: Store>(
                 }
             }
         };
-        let offset = attempt.offset;
+        let (offset, adopted) = (attempt.offset, attempt.claimed.is_some());
         match claim_and_record(store, range, scope, &pool, attempt, who, contenders).await? {
             Ok(ip) => return Ok(Allocated { ip, conflicts }),
             Err(lost) => {
@@ -179,8 +179,9 @@ pub async fn allocate<S: Store>(
                     Claim::Lost => unverified = Some(offset),
                     Claim::Ours(_) | Claim::Occupied => {}
                 }
-                // Without reservations the pool is the only record of who holds what: re-read it.
-                if scope.overlapping {
+                // Without reservations the pool is the only record of who holds what, and an
+                // adopted claim that could not be recorded means the pool has moved on: re-read.
+                if scope.overlapping && !adopted {
                     snapshot = Some(pool);
                 }
             }
@@ -229,6 +230,8 @@ async fn claim_and_record<S: Store>(
             },
         );
     }
+    // A claim adopted from an earlier attempt may be backing that attempt's entry: never undo it.
+    let adopted = attempt.claimed.is_some();
     let uid = match attempt.claimed {
         Some(uid) => uid,
         None => match claim(
@@ -272,7 +275,9 @@ async fn claim_and_record<S: Store>(
     // Lost to a writer that takes no reservations, or the pool went away. A writer recording
     // pending claims may have written our entry in the meantime: take it out again, then the claim.
     store.remove_allocation(&pool.name, offset, &entry).await?;
-    unclaim(store, scope.network_name, ip, &uid).await?;
+    if !adopted {
+        unclaim(store, scope.network_name, ip, &uid).await?;
+    }
     Ok(Err(Claim::Race))
 }
 
@@ -339,8 +344,9 @@ async fn record_in_turn<S: Store>(
     let mut stale = StaleTurn::default();
     // Set right after a write without our entry: its writer usually follows up within
     // milliseconds with the claims that came in meanwhile, so wait for that before asking for
-    // the turn, instead of asking on every write.
-    let mut settling = false;
+    // the turn, instead of asking on every write. Set from the start when several others are
+    // claiming: one of them most likely holds the turn already.
+    let mut settling = contenders >= 2;
     loop {
         match pool.allocations.get(&offset) {
             Some(e) if same_owner(e, entry) => return Ok(true),
@@ -643,8 +649,26 @@ async fn reuse<S: Store>(
     Ok(ip)
 }
 
-async fn ensure_pool<S: Store>(store: &S, range: &RangeConfig) -> Result<Pool, StoreError> {
+/// Reads the pool, creating it on first use. The first read of an ADD may come from the API
+/// server's cache (five times cheaper for a pool of a few hundred entries than a read from etcd):
+/// if it is a moment old, the conditional write fails and everything after reads from etcd.
+async fn ensure_pool<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    cached: bool,
+) -> Result<Pool, StoreError> {
+    let first = if cached {
+        store.get_pool_cached(&range.pool_name).await?
+    } else {
+        store.get_pool(&range.pool_name).await?
+    };
+    if let Some(pool) = first {
+        return Ok(pool);
+    }
     for _ in 0..3 {
+        store
+            .create_pool(&range.pool_name, &range.range.cidr().to_string())
+            .await?;
         if let Some(pool) = store.get_pool(&range.pool_name).await? {
             return Ok(pool);
         }

@@ -14,8 +14,8 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
-    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions, WatchEvent,
-    WatchParams,
+    Api, DeleteParams, GetParams, ListParams, Patch, PatchParams, PostParams, Preconditions,
+    WatchEvent, WatchParams,
 };
 use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
@@ -112,6 +112,11 @@ fn api_code(e: &kube::Error) -> Option<u16> {
         kube::Error::Api(status) => Some(status.code),
         _ => None,
     }
+}
+
+/// A 404 without a NotFound Status: the resource type itself is not served (CRDs missing).
+fn is_unserved(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(status) if status.code == 404 && status.details.is_none() && status.reason != "NotFound")
 }
 
 fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
@@ -228,6 +233,15 @@ impl Store for KubeStore {
             .await
             .map_err(|e| error("get", format!("ippool {name}"), e))?;
         Ok(found.map(|p| to_pool(name, p)))
+    }
+
+    async fn get_pool_cached(&self, name: &str) -> Result<Option<Pool>> {
+        let params = GetParams::any();
+        match retrying(|| self.pools.get_with(name, &params)).await {
+            Ok(p) => Ok(Some(to_pool(name, p))),
+            Err(e) if api_code(&e) == Some(404) && !is_unserved(&e) => Ok(None),
+            Err(e) => Err(error("get", format!("ippool {name}"), e)),
+        }
     }
 
     async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {

@@ -219,6 +219,10 @@ impl Store for MemoryStore {
         Ok(self.state.lock().unwrap().pool(name))
     }
 
+    async fn get_pool_cached(&self, name: &str) -> Result<Option<Pool>> {
+        self.get_pool(name).await
+    }
+
     async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
         self.check("create", name)?;
         let mut s = self.state.lock().unwrap();

@@ -229,6 +229,9 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 /// Storage operations, each one request. Implemented for Kubernetes and in memory.
 pub trait Store: Send + Sync {
     fn get_pool(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
+    /// The pool as the API server's cache has it: possibly a moment old, for reads whose
+    /// staleness a conditional write catches.
+    fn get_pool_cached(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
     /// Creates an empty pool; `Conflict` when it already exists.
     fn create_pool(&self, name: &str, range: &str) -> impl Future<Output = Result<Write>> + Send;
     /// Records `entries` if the pool is still at `resource_version`; `Conflict` otherwise.
