@@ -9,8 +9,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::{Resource, ResourceExt};
 
 use super::Context;
@@ -18,7 +19,7 @@ use super::pools::PoolView;
 use crate::cni::allocate::release_entries;
 use crate::crd::IPPool;
 use crate::ownership::is_stale;
-use crate::store::{Store, StoreError, Write};
+use crate::store::{Store, StoreError, TURN_LABEL, TURN_SECONDS, Write};
 
 /// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
 /// for the grace period. Suspects that stop being stale are forgotten.
@@ -68,6 +69,8 @@ pub struct Report {
     pub orphans: usize,
     pub released: usize,
     pub released_orphans: usize,
+    /// Pools' writer turns removed because their plugin was killed while holding them.
+    pub abandoned_turns: usize,
 }
 
 /// Live pods by podref, from the cache.
@@ -109,6 +112,9 @@ pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
 pub struct Auditor {
     entries: Suspects<EntryKey>,
     orphans: Suspects<(String, String)>,
+    /// Writer-turn Leases by (name, uid, resourceVersion): one seen unchanged on two audits at
+    /// least the grace period apart was abandoned by a killed plugin.
+    turns: Suspects<(String, String, String)>,
 }
 
 impl Auditor {
@@ -116,6 +122,7 @@ impl Auditor {
         Auditor {
             entries: Suspects::default(),
             orphans: Suspects::default(),
+            turns: Suspects::default(),
         }
     }
 
@@ -167,7 +174,59 @@ impl Auditor {
         if !due.is_empty() {
             report.released_orphans = self.release_orphans(ctx, due).await?;
         }
+        report.abandoned_turns = self.sweep_turns(ctx, now).await;
         Ok(report)
+    }
+
+    /// Removes pools' writer turns (Leases) abandoned by killed plugins, which would otherwise
+    /// make the next claimants of that pool wait the turn length before taking it over. A turn
+    /// lasts well under a second, so one unchanged over the grace period is abandoned; the delete
+    /// is conditional on the UID and resourceVersion that were seen. Failures are logged only:
+    /// nothing depends on this.
+    async fn sweep_turns(&mut self, ctx: &Context, now: Instant) -> usize {
+        let leases: Api<Lease> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
+        let listed = match leases
+            .list_metadata(&ListParams::default().labels(TURN_LABEL))
+            .await
+        {
+            Ok(list) => list.items,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot list pools' writer turns");
+                return 0;
+            }
+        };
+        let seen = listed.iter().map(|l| {
+            (
+                l.name_any(),
+                l.uid().unwrap_or_default(),
+                l.resource_version().unwrap_or_default(),
+            )
+        });
+        let grace = ctx.opts.stale_grace.max(Duration::from_secs(TURN_SECONDS));
+        let mut removed = 0;
+        for key in self.turns.observe(now, seen.collect::<Vec<_>>(), grace) {
+            self.turns.forget(&key);
+            let (name, uid, rv) = &key;
+            if ctx.opts.dry_run {
+                tracing::info!(lease = %name, "dry run: would remove an abandoned writer turn");
+                continue;
+            }
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(uid.clone()),
+                    resource_version: Some(rv.clone()),
+                }),
+                ..Default::default()
+            };
+            match leases.delete(name, &params).await {
+                Ok(_) => {
+                    tracing::info!(lease = %name, "removed a writer turn abandoned by a killed plugin");
+                    removed += 1;
+                }
+                Err(e) => tracing::debug!(lease = %name, error = %e, "writer turn not removed"),
+            }
+        }
+        removed
     }
 
     /// Re-reads the pool and the pod; releases the entry only if it is still there, unchanged, and

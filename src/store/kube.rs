@@ -22,8 +22,8 @@ use serde_json::{Value, json};
 
 use super::{
     CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation,
-    Result, Store, StoreError, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket, now_secs,
-    recent_buckets,
+    Result, Store, StoreError, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket,
+    now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
@@ -336,6 +336,7 @@ impl Store for KubeStore {
         let lease = Lease {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
+                labels: Some([(TURN_LABEL.to_owned(), "true".to_owned())].into()),
                 ..Default::default()
             },
             spec: Some(LeaseSpec {

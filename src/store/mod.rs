@@ -116,6 +116,10 @@ pub enum PoolWrite {
 /// few pool writes, well under a second; a killed holder costs the others this long.
 pub const TURN_SECONDS: u64 = 5;
 
+/// Marks the Leases that are pools' writer turns, so that the operator's audit can find turns
+/// abandoned by killed plugins.
+pub const TURN_LABEL: &str = "whereabouts.cni.cncf.io/writer-turn";
+
 /// A pool's writer turn, held until [`Store::end_turn`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Turn {

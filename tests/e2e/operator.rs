@@ -212,6 +212,47 @@ fn a_force_deleted_pod_without_annotation_is_released() {
     assert!(ns.reservations().is_empty());
 }
 
+/// A pool's writer turn left by a killed plugin is removed by the audit once it has stood still
+/// for the grace period; other Leases are not touched.
+#[test]
+fn the_audit_removes_an_abandoned_writer_turn() {
+    let ns = Ns::new("op-turn");
+    let lease = |name: &str, labels: serde_json::Value| {
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+               "metadata": {"name": name, "labels": labels},
+               "spec": {"holderIdentity": "killed", "leaseDurationSeconds": 5}})
+        .to_string()
+    };
+    for (name, labels) in [
+        (
+            "whereabouts-10.73.0.0-24",
+            json!({"whereabouts.cni.cncf.io/writer-turn": "true"}),
+        ),
+        ("someone-elses", json!({})),
+    ] {
+        let out = ns.apply(&lease(name, labels));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let gone = eventually(20, || {
+        !ns.kubectl_ok(&["get", "leases", "-o", "name"])
+            .contains("whereabouts-10.73.0.0-24")
+    });
+    assert!(gone, "{}", op.log());
+    assert!(
+        op.log().contains("abandoned by a killed plugin"),
+        "{}",
+        op.log()
+    );
+    let leases = ns.kubectl_ok(&["get", "leases", "-o", "name"]);
+    assert!(leases.contains("someone-elses"), "{leases}");
+}
+
 #[test]
 fn a_pod_on_a_foreign_network_causes_no_write_and_no_error() {
     let ns = Ns::new("op-foreign");
