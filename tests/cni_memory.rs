@@ -221,6 +221,46 @@ async fn concurrent_adds_share_pool_writes() {
     assert!(!store.turn_held("10.0.0.0-24"));
 }
 
+/// Many DELs of one pool at once: they announce their releases, take turns, and one write
+/// removes many entries; every address and reservation is gone afterwards.
+#[tokio::test]
+async fn concurrent_dels_share_pool_writes() {
+    let store = Arc::new(MemoryStore::new());
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    for i in 0..60 {
+        run(
+            &store,
+            Command::Add,
+            &ipam,
+            &format!("c{i}"),
+            &format!("p{i}"),
+        )
+        .await
+        .unwrap();
+    }
+    let store = Arc::new(Arc::try_unwrap(store).ok().unwrap().interleaved());
+    let before = store.count("patch");
+    let tasks: Vec<_> = (0..60)
+        .map(|i| {
+            let (store, ipam) = (store.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let (c, p) = (format!("c{i}"), format!("p{i}"));
+                run(&store, Command::Del, &ipam, &c, &p).await.unwrap();
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert!(pool.allocations.is_empty(), "{:?}", pool.allocations.keys());
+    assert!(store.reservation_names().is_empty());
+    let writes = store.count("patch") - before;
+    assert!(writes < 30, "{writes} pool writes for 60 DELs");
+    assert!(store.count("mark_releasing") >= 60);
+    assert!(!store.turn_held("10.0.0.0-24"));
+}
+
 /// A turn whose holder was killed is taken over once it has stood still long enough; the ADDs
 /// waiting behind it still succeed.
 #[tokio::test(start_paused = true)]

@@ -335,39 +335,58 @@ const FOLLOW_UP_WRITES: u32 = 2;
 async fn record_in_turn<S: Store>(
     store: &S,
     range: &RangeConfig,
-    mut pool: Pool,
+    pool: Pool,
     offset: u128,
     entry: &IPAllocation,
     contenders: usize,
 ) -> Result<bool, StoreError> {
+    let done = |pool: &Pool| pool.allocations.get(&offset).map(|e| same_owner(e, entry));
+    let work = |fresh: Pool| write_pending(store, range, fresh, offset, entry);
+    in_turn(store, pool, &entry.id, contenders, done, work).await
+}
+
+/// The turn protocol shared by recording claims and releasing entries: until `done` says how it
+/// ended (`Some`), either take the pool's writer turn and run `work` on a fresh read of the pool
+/// (which does this claimant's write and everybody else's pending one), or wait on a watch of
+/// the pool for another turn holder's write to do it.
+async fn in_turn<S, D, W, F>(
+    store: &S,
+    mut pool: Pool,
+    holder: &str,
+    contenders: usize,
+    done: D,
+    work: W,
+) -> Result<bool, StoreError>
+where
+    S: Store,
+    D: Fn(&Pool) -> Option<bool>,
+    W: Fn(Pool) -> F,
+    F: std::future::Future<Output = Result<bool, StoreError>>,
+{
     let mut changes: Option<S::Changes> = None;
     let mut stale = StaleTurn::default();
-    // Set right after a write without our entry: its writer usually follows up within
-    // milliseconds with the claims that came in meanwhile, so wait for that before asking for
-    // the turn, instead of asking on every write. Set from the start when several others are
-    // claiming: one of them most likely holds the turn already.
+    // Set right after a write that did not finish our business: its writer usually follows up
+    // within milliseconds with what came in meanwhile, so wait for that before asking for the
+    // turn, instead of asking on every write. Set from the start when several others are at it:
+    // one of them most likely holds the turn already.
     let mut settling = contenders >= 2;
     loop {
-        match pool.allocations.get(&offset) {
-            Some(e) if same_owner(e, entry) => return Ok(true),
-            Some(_) => return Ok(false),
-            None => {}
+        if let Some(outcome) = done(&pool) {
+            return Ok(outcome);
         }
         if !settling {
-            match store.take_turn(&pool.name, &entry.id).await {
+            match store.take_turn(&pool.name, holder).await {
                 TurnAttempt::Taken(turn) => {
                     // Writers before us have just finished: start from the pool as they left it.
-                    let recorded = match store.get_pool(&pool.name).await {
-                        Ok(Some(fresh)) => write_pending(store, range, fresh, offset, entry).await,
+                    let outcome = match store.get_pool(&pool.name).await {
+                        Ok(Some(fresh)) => work(fresh).await,
                         Ok(None) => Ok(false),
                         Err(e) => Err(e),
                     };
                     store.end_turn(&turn).await;
-                    return recorded;
+                    return outcome;
                 }
-                TurnAttempt::Unavailable => {
-                    return write_pending(store, range, pool, offset, entry).await;
-                }
+                TurnAttempt::Unavailable => return work(pool).await,
                 TurnAttempt::Busy => {}
             }
         }
@@ -376,9 +395,7 @@ async fn record_in_turn<S: Store>(
             None => match store.watch_pool(&pool.name, &pool.resource_version).await {
                 Ok(watch) => changes.insert(watch),
                 // Rights without watch: write without waiting for others.
-                Err(e) if e.kind() == "forbidden" => {
-                    return write_pending(store, range, pool, offset, entry).await;
-                }
+                Err(e) if e.kind() == "forbidden" => return work(pool).await,
                 Err(e) => return Err(e),
             },
         };
@@ -721,6 +738,12 @@ async fn backoff(conflicts: u32) {
 
 /// Releases every entry of `who`'s container and interface in this range, and their reservations.
 /// Returns the released addresses. Entries re-bound to another container are left alone.
+///
+/// Many DELs of one pool at once (a deployment scaled down, a node drained) would each write the
+/// pool, which costs the API server a re-run of every losing write. So a DEL first announces its
+/// release on its reservations; when others are releasing from the same pool, one of them takes
+/// the pool's writer turn and removes every announced entry in one write while the rest wait for
+/// it on a watch, as ADDs do for claims. Each DEL then deletes its own reservations.
 pub async fn release<S: Store>(
     store: &S,
     range: &RangeConfig,
@@ -738,7 +761,138 @@ pub async fn release<S: Store>(
         })
         .map(|(o, e)| (*o, e.clone()))
         .collect();
-    release_entries(store, range, scope, &pool.name, &mine).await
+    if mine.is_empty() || !scope.overlapping {
+        return release_entries(store, range, scope, &pool.name, &mine).await;
+    }
+    // Announce the release on each entry's reservation (only one that names this pod).
+    let (mut reservations, mut unannounced) = (Vec::new(), Vec::new());
+    for (offset, entry) in &mine {
+        let Some(ip) = range.range.addr_at(*offset) else {
+            continue;
+        };
+        let name = reservation_name(scope.network_name, ip);
+        let Some(r) = store
+            .get_reservation(&name)
+            .await?
+            .filter(|r| r.spec.podref == entry.podref)
+        else {
+            continue;
+        };
+        let announced = match store.mark_releasing(&name, &r.uid).await {
+            Ok(w) => w == Write::Done,
+            // Rights from before releases were announced: this DEL releases on its own.
+            Err(e) if e.kind() == "forbidden" => false,
+            Err(e) => return Err(e),
+        };
+        if announced {
+            reservations.push((*offset, name, r.uid));
+        } else {
+            unannounced.push((*offset, name, r.uid));
+        }
+    }
+    let others = if unannounced.is_empty() && reservations.len() == mine.len() {
+        let own: BTreeSet<u128> = mine.iter().map(|(o, _)| *o).collect();
+        store
+            .releases_of(&pool.name)
+            .await?
+            .iter()
+            .filter(|c| {
+                range
+                    .range
+                    .offset_of(c.ip)
+                    .is_some_and(|o| !own.contains(&o))
+            })
+            .count()
+    } else {
+        0 // a release nobody else can see is done by this DEL alone
+    };
+    let gone: BTreeSet<u128> = if others == 0 {
+        remove_entries(store, &pool.name, &mine)
+            .await?
+            .into_iter()
+            .map(|(o, _)| o)
+            .collect()
+    } else {
+        let still_mine = |p: &Pool| {
+            mine.iter()
+                .any(|(o, e)| p.allocations.get(o).is_some_and(|c| same_owner(c, e)))
+        };
+        let done = |p: &Pool| (!still_mine(p)).then_some(true);
+        let work = |fresh: Pool| remove_pending(store, range, fresh, &mine);
+        in_turn(store, pool.clone(), &who.container_id, others, done, work).await?;
+        // Gone from the pool, by us or by a turn holder; an offset now held by anyone else
+        // (re-bound to a newer container of the pod) keeps its reservation.
+        let now = store.get_pool(&pool.name).await?.unwrap_or_default();
+        mine.iter()
+            .map(|(o, _)| *o)
+            .filter(|o| !now.allocations.contains_key(o))
+            .collect()
+    };
+    for (offset, name, uid) in reservations.iter().chain(&unannounced) {
+        if gone.contains(offset) {
+            store.delete_reservation(name, uid).await?;
+        }
+    }
+    Ok(gone
+        .iter()
+        .filter_map(|o| range.range.addr_at(*o))
+        .collect())
+}
+
+/// A turn holder's work for DELs: removes its own entries and every announced release of the
+/// pool (each only while its entry still holds the announcing container) in one write
+/// conditional on the pool's resourceVersion, then follows up for releases announced meanwhile.
+async fn remove_pending<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    mut pool: Pool,
+    mine: &[(u128, IPAllocation)],
+) -> Result<bool, StoreError> {
+    let mut follow_ups = 0;
+    for attempt in 0..MAX_CONFLICTS {
+        let owned = |o: &u128, id: &str, podref: &str| {
+            pool.allocations
+                .get(o)
+                .is_some_and(|c| c.id == id && c.podref == podref)
+        };
+        let ours: Vec<u128> = mine
+            .iter()
+            .filter(|(o, e)| owned(o, &e.id, &e.podref))
+            .map(|(o, _)| *o)
+            .collect();
+        let mut offsets: BTreeSet<u128> = store
+            .releases_of(&pool.name)
+            .await?
+            .iter()
+            .filter_map(|c| {
+                let o = range.range.offset_of(c.ip)?;
+                owned(&o, &c.spec.containerid, &c.spec.podref).then_some(o)
+            })
+            .collect();
+        if ours.is_empty() {
+            if offsets.is_empty() || follow_ups == FOLLOW_UP_WRITES {
+                return Ok(true);
+            }
+            follow_ups += 1;
+        }
+        offsets.extend(ours);
+        let offsets: Vec<u128> = offsets.into_iter().collect();
+        match store
+            .remove_allocations(&pool.name, &offsets, &pool.resource_version)
+            .await?
+        {
+            PoolWrite::Done(fresh) => pool = fresh,
+            PoolWrite::Missing => return Ok(true),
+            PoolWrite::Conflict => {
+                jitter(attempt).await;
+                match store.get_pool(&pool.name).await? {
+                    Some(fresh) => pool = fresh,
+                    None => return Ok(true),
+                }
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// Removes many entries of one pool in as few writes as possible, each only while it still holds

@@ -21,9 +21,9 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation,
-    Result, Store, StoreError, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket,
-    now_secs, recent_buckets,
+    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite,
+    RELEASING_LABEL, Reservation, Result, Store, StoreError, TURN_LABEL, TURN_SECONDS, Turn,
+    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
@@ -196,6 +196,39 @@ impl PoolChanges for KubeChanges {
 }
 
 impl KubeStore {
+    /// Our reservations of `pool` matching a label selector, with their addresses. Served from
+    /// the API server's watch cache: cheap, possibly a moment old, which is fine (each writer
+    /// adds its own claim or release explicitly).
+    async fn list_claims(&self, pool: &str, selector: &str) -> Result<Vec<PoolClaim>> {
+        let params = ListParams::default().labels(selector).match_any();
+        let list = retrying(|| self.reservations.list(&params))
+            .await
+            .map_err(|e| {
+                error(
+                    "list",
+                    format!("overlappingrangeipreservations of {pool}"),
+                    e,
+                )
+            })?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter_map(|r| {
+                Some(PoolClaim {
+                    ip: r
+                        .metadata
+                        .annotations
+                        .as_ref()?
+                        .get(IP_ANNOTATION)?
+                        .parse()
+                        .ok()?,
+                    uid: r.metadata.uid.unwrap_or_default(),
+                    spec: r.spec,
+                })
+            })
+            .collect())
+    }
+
     async fn delete_lease(&self, name: &str, uid: &str, rv: Option<&str>) {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
@@ -458,40 +491,35 @@ impl Store for KubeStore {
     }
 
     async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
-        // Served from the API server's watch cache: cheap, possibly a moment old, which is fine
-        // (each writer adds its own claim explicitly).
         let [a, b, c] = recent_buckets(now_secs());
-        let params = ListParams::default()
-            .labels(&format!(
-                "{POOL_LABEL}={pool},{CLAIMED_LABEL} in ({a},{b},{c})"
-            ))
-            .match_any();
-        let list = retrying(|| self.reservations.list(&params))
-            .await
-            .map_err(|e| {
-                error(
-                    "list",
-                    format!("overlappingrangeipreservations of {pool}"),
+        let selector =
+            format!("{POOL_LABEL}={pool},{CLAIMED_LABEL} in ({a},{b},{c}),!{RELEASING_LABEL}");
+        self.list_claims(pool, &selector).await
+    }
+
+    async fn releases_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
+        let [a, b, c] = recent_buckets(now_secs());
+        let selector = format!("{POOL_LABEL}={pool},{RELEASING_LABEL} in ({a},{b},{c})");
+        self.list_claims(pool, &selector).await
+    }
+
+    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<Write> {
+        // A uid in a patch is a precondition: 409 if the reservation was re-made since it was read.
+        let bucket = claim_bucket(now_secs()).to_string();
+        let body = json!({"metadata": {"uid": uid, "labels": {RELEASING_LABEL: bucket}}});
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        match retrying(|| self.reservations.patch(name, &params, &patch)).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(Write::Missing),
+                Some(409) => Ok(Write::Conflict),
+                _ => Err(error(
+                    "patch",
+                    format!("overlappingrangeipreservation {name}"),
                     e,
-                )
-            })?;
-        Ok(list
-            .items
-            .into_iter()
-            .filter_map(|r| {
-                Some(PoolClaim {
-                    ip: r
-                        .metadata
-                        .annotations
-                        .as_ref()?
-                        .get(IP_ANNOTATION)?
-                        .parse()
-                        .ok()?,
-                    uid: r.metadata.uid.unwrap_or_default(),
-                    spec: r.spec,
-                })
-            })
-            .collect())
+                )),
+            },
+        }
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {

@@ -49,6 +49,8 @@ struct State {
     pods: HashMap<String, String>,
     /// Writer turns by pool: the turn's uid.
     turns: BTreeMap<String, String>,
+    /// Reservations whose release was announced, with the bucket of the announcement.
+    releasing: BTreeMap<String, i64>,
 }
 
 impl State {
@@ -416,7 +418,9 @@ impl Store for MemoryStore {
                 let r = s.reservations.get(name)?;
                 // Only recent claims, as the Kubernetes store's claim-time label selects them.
                 let recent = super::recent_buckets(super::now_secs());
-                if !recent.contains(&super::claim_bucket(r.created?)) {
+                if !recent.contains(&super::claim_bucket(r.created?))
+                    || s.releasing.contains_key(name)
+                {
                     return None;
                 }
                 Some(PoolClaim {
@@ -426,6 +430,43 @@ impl Store for MemoryStore {
                 })
             })
             .collect())
+    }
+
+    async fn releases_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
+        self.pause().await;
+        self.check("list", pool)?;
+        self.counted("releases_of");
+        let s = self.state.lock().unwrap();
+        let recent = super::recent_buckets(super::now_secs());
+        Ok(s.releasing
+            .iter()
+            .filter(|(_, bucket)| recent.contains(bucket))
+            .filter_map(|(name, _)| {
+                let (p, ip) = s.claims.get(name)?;
+                let r = s.reservations.get(name)?;
+                (p == pool).then(|| PoolClaim {
+                    ip: *ip,
+                    uid: r.uid.clone(),
+                    spec: r.spec.clone(),
+                })
+            })
+            .collect())
+    }
+
+    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<Write> {
+        self.pause().await;
+        self.check("patch", name)?;
+        self.counted("mark_releasing");
+        let mut s = self.state.lock().unwrap();
+        match s.reservations.get(name) {
+            None => Ok(Write::Missing),
+            Some(r) if r.uid != uid => Ok(Write::Conflict),
+            Some(_) => {
+                let bucket = super::claim_bucket(super::now_secs());
+                s.releasing.insert(name.into(), bucket);
+                Ok(Write::Done)
+            }
+        }
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
@@ -443,6 +484,7 @@ impl Store for MemoryStore {
             Some(_) => {
                 s.reservations.remove(name);
                 s.claims.remove(name);
+                s.releasing.remove(name);
                 Ok(Write::Done)
             }
         }

@@ -88,6 +88,10 @@ pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
 /// by more than a bucket only has its claims recorded by itself instead of by a turn holder.
 pub const CLAIMED_LABEL: &str = "whereabouts.cni.cncf.io/claimed";
 pub const CLAIM_BUCKET_SECONDS: i64 = 30;
+/// Set on a reservation (to the claim bucket of the moment) by a DEL about to remove its entry:
+/// a turn holder then removes it together with every other announced release in one write, and
+/// no claims list mistakes it for a claim still waiting to be recorded.
+pub const RELEASING_LABEL: &str = "whereabouts.cni.cncf.io/releasing";
 
 /// The claim bucket of a moment, in seconds since the epoch.
 pub fn claim_bucket(secs: i64) -> i64 {
@@ -297,6 +301,10 @@ pub trait Store: Send + Sync {
     /// Recent claims made for `pool` by our plugin (pool and claim-time labels, address
     /// annotation), as the API server's cache has them.
     fn claims_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
+    /// Recent releases announced for `pool` (see [`RELEASING_LABEL`]).
+    fn releases_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
+    /// Announces the release of a reservation's address, if it is still the object with `uid`.
+    fn mark_releasing(&self, name: &str, uid: &str) -> impl Future<Output = Result<Write>> + Send;
     fn get_reservation(
         &self,
         name: &str,

@@ -85,6 +85,23 @@ fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
     // Claimants took turns writing the pool (Lease whereabouts-<pool>) and gave every turn back.
     let leases = ns.kubectl_ok(&["get", "leases", "-o", "name"]);
     assert!(!leases.contains("whereabouts-"), "{leases}");
+
+    // And 100 concurrent DELs free everything, entries and reservations.
+    let children: Vec<_> = (0..100)
+        .map(|i| ns.cni_spawn("DEL", &conf, &format!("c{i}"), &format!("pod{i}")))
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    assert!(ns.allocations("10.20.0.0-24").is_empty());
+    assert!(ns.reservations().is_empty());
+    let leases = ns.kubectl_ok(&["get", "leases", "-o", "name"]);
+    assert!(!leases.contains("whereabouts-"), "{leases}");
 }
 
 /// A writer turn left behind by a killed plugin (here: a Lease made by hand) delays the claimants

@@ -293,6 +293,15 @@ fn install_cni_into_a_temporary_host_root() {
     let result = crate::harness::Cni::from(add.spawn(bin.clone()).wait_with_output().unwrap());
     assert_eq!(result.addresses(), vec!["10.77.0.1/24".to_owned()]);
     assert_eq!(ns.allocations("10.77.0.0-24").len(), 1);
+    // DEL, with the same rights, frees it (it announces the release on the reservation first).
+    let del = crate::harness::CniCall {
+        command: "DEL",
+        ..add
+    };
+    let out = del.spawn(bin.clone()).wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(ns.allocations("10.77.0.0-24").is_empty());
+    assert!(ns.reservations().is_empty());
 
     // Token rotation, followed by the long-running installer.
     let mut child = install_cni(&host, &sa, &["--interval=1s"])
