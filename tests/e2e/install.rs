@@ -299,7 +299,11 @@ fn install_cni_into_a_temporary_host_root() {
         ..add
     };
     let out = del.spawn(bin.clone()).wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     assert!(ns.allocations("10.77.0.0-24").is_empty());
     assert!(ns.reservations().is_empty());
 
