@@ -20,6 +20,8 @@
 //!
 //! DEL removes only entries that still hold the container being deleted, then the reservation if
 //! it belongs to the same pod, so an address re-bound to a newer container is never released.
+//! Concurrent DELs of one pool announce their releases on their reservations and take turns the
+//! same way, one write removing every announced entry.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;

@@ -1,11 +1,13 @@
-//! The Kubernetes [`Store`]: IPPools and OverlappingRangeIPReservations in the pool namespace.
+//! The Kubernetes [`Store`]: IPPools, OverlappingRangeIPReservations and pools' writer turns
+//! (Leases) in the pool namespace.
 //!
-//! New pool entries are written with a merge patch carrying `metadata.resourceVersion`: the API
-//! server checks it before anything else and answers 409 at once when the pool moved on (a JSON
-//! Patch `test`, by contrast, is evaluated inside the API server's own retry loop, which made many
-//! concurrent writers of one pool quadratic; docs/benchmarks.md). Replacing and removing an entry use
-//! JSON Patch `test` operations on that entry's container and pod, which hold across unrelated
-//! writes; a failed test answers 422, a lost condition, not an error.
+//! Entries are added, and removed in batches, with merge patches carrying
+//! `metadata.resourceVersion`: the whole write holds only against the version the caller read
+//! (and checked owners in). Single entries are replaced or removed (the path without
+//! reservations, GC, the audit) with JSON Patch `test` operations on that entry's container and
+//! pod, which hold across unrelated writes; a failed test answers 422, a lost condition, not an
+//! error. Either kind of write, when many processes send it for one pool at once, makes the API
+//! server re-run the losers (docs/benchmarks.md), which is why busy pools are written in turns.
 
 use std::collections::HashMap;
 use std::pin::Pin;

@@ -1,10 +1,9 @@
 //! The datastore seen by the CNI plugin and the operator: pools, their entries, and reservations.
 //!
 //! Every write is conditional, so no lock is needed:
-//! - pool entries are added only if the pool is unchanged since it was read (a resourceVersion
-//!   precondition the API server checks before anything else, so a stale write fails at once
-//!   instead of being retried inside the API server); several entries can go in one write;
-//! - an entry is replaced or removed only if it still holds the container and pod we expect;
+//! - pool entries are added, or removed in batches, only if the pool is unchanged since it was
+//!   read (a resourceVersion precondition); several entries can go in one write;
+//! - a single entry is replaced or removed only if it still holds the container and pod we expect;
 //! - a reservation is created only if no reservation of that address exists, and deleted only if it
 //!   is still the object we looked at (UID precondition).
 //!
@@ -13,8 +12,9 @@
 //! One thing is not a condition but a courtesy: a pool's *writer turn* (a short-lived Lease).
 //! Many plugins writing one pool at the same moment are all correct but slow, because every
 //! losing write still costs the API server a full decode-patch-validate-encode of the pool. So a
-//! plugin that finds others claiming the same pool takes the turn before writing and records every
-//! pending claim at once, while the others wait for that write on a watch. Nothing depends on the
+//! plugin that finds others claiming (or releasing) in the same pool takes the turn before writing
+//! and records every pending claim (removes every announced release) at once, while the others
+//! wait for that write on a watch. Nothing depends on the
 //! turn for correctness: a writer without it (RBAC without Leases, a turn abandoned by a killed
 //! process) is still held to the resourceVersion precondition.
 
