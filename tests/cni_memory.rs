@@ -221,6 +221,43 @@ async fn concurrent_adds_share_pool_writes() {
     assert!(!store.turn_held("10.0.0.0-24"));
 }
 
+/// A new container of the same pod takes over the reservation at a new version, so a late DEL
+/// of the old container, which deletes only the version it saw, cannot remove it from under the
+/// new container's entry.
+#[tokio::test]
+async fn a_reservation_taken_over_by_a_new_container_survives_the_old_dels_delete() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    run(&store, Command::Add, &ipam, "c0", "p").await.unwrap();
+    let seen_by_old_del = store.get_reservation("10.0.0.1").await.unwrap().unwrap();
+    let out = run(&store, Command::Add, &ipam, "c1", "p")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        addresses(&out),
+        ["10.0.0.1/24"],
+        "the pod keeps its address"
+    );
+    let now = store.get_reservation("10.0.0.1").await.unwrap().unwrap();
+    assert_eq!(now.spec.containerid, "c1");
+    assert_ne!(now.resource_version, seen_by_old_del.resource_version);
+    let late = store
+        .delete_reservation(
+            "10.0.0.1",
+            &seen_by_old_del.uid,
+            Some(&seen_by_old_del.resource_version),
+        )
+        .await
+        .unwrap();
+    assert_eq!(late, whereabouts::store::Write::Conflict);
+    // And the old container's DEL itself finds nothing of its own to release.
+    run(&store, Command::Del, &ipam, "c0", "p").await.unwrap();
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations[&1].id, "c1");
+    assert!(store.get_reservation("10.0.0.1").await.unwrap().is_some());
+}
+
 /// Many DELs of one pool at once: they announce their releases, take turns, and one write
 /// removes many entries; every address and reservation is gone afterwards.
 #[tokio::test]

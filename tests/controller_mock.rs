@@ -149,7 +149,7 @@ fn reservation(podref: &str) -> Value {
 
 fn reservation_of(offset: u128, podref: &str) -> Value {
     json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
-           "metadata": {"name": format!("10.0.0.{offset}"), "namespace": "kube-system", "uid": format!("r-{offset}")},
+           "metadata": {"name": format!("10.0.0.{offset}"), "namespace": "kube-system", "uid": format!("r-{offset}"), "resourceVersion": format!("{offset}00")},
            "spec": {"podref": podref, "containerid": format!("c{offset}")}})
 }
 
@@ -269,7 +269,11 @@ async fn a_batch_of_pods_is_released_with_one_pool_write() {
         Call {
             method: Method::DELETE,
             path: format!("{RESERVATIONS}/10.0.0.5"),
-            body: |b| assert_eq!(b["preconditions"]["uid"], "r-5"),
+            // At the version the cache saw: one taken over since by a new container is kept.
+            body: |b| {
+                assert_eq!(b["preconditions"]["uid"], "r-5");
+                assert_eq!(b["preconditions"]["resourceVersion"], "500");
+            },
             status: StatusCode::OK,
             answer: reservation_of(5, "ns/a"),
         },

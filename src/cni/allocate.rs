@@ -142,8 +142,26 @@ pub async fn allocate<S: Store>(
         }
         // How many others are claiming from this pool right now, as far as we can tell.
         let contenders = pending.iter().filter(|p| !p.is_of(who)).count() + races as usize;
-        let attempt = match pending.iter().find(|p| p.is_of(who)) {
-            // An earlier attempt of this attachment claimed an address but did not record it.
+        // An earlier attempt of this container claimed an address but did not record it: finish
+        // that, if the claim (listed from the API server's cache) still exists.
+        let own = match pending
+            .iter()
+            .find(|p| p.is_of(who) && !skip.contains(&p.offset))
+        {
+            Some(own) => {
+                let name = range
+                    .range
+                    .addr_at(own.offset)
+                    .map(|ip| reservation_name(scope.network_name, ip));
+                let current = match name {
+                    Some(name) => store.get_reservation(&name).await?,
+                    None => None,
+                };
+                current.filter(|r| r.uid == own.uid).map(|_| own)
+            }
+            None => None,
+        };
+        let attempt = match own {
             Some(own) => Attempt {
                 offset: own.offset,
                 claimed: Some(own.uid.clone()),
@@ -372,9 +390,16 @@ where
     // turn, instead of asking on every write. Set from the start when several others are at it:
     // one of them most likely holds the turn already.
     let mut settling = contenders >= 2;
+    let started = tokio::time::Instant::now();
     loop {
         if let Some(outcome) = done(&pool) {
             return Ok(outcome);
+        }
+        // Bounded: whatever keeps the turn busy or stuck (a holder that cannot see this claim or
+        // release, a turn nobody can break), after twice the turn length write without it.
+        if started.elapsed() >= Duration::from_secs(2 * TURN_SECONDS) {
+            tracing::debug!(pool = %pool.name, "waited too long for a turn; writing without it");
+            return work(pool).await;
         }
         if !settling {
             match store.take_turn(&pool.name, holder).await {
@@ -520,8 +545,11 @@ struct PendingClaim {
 }
 
 impl PendingClaim {
+    /// Made by this very container for this interface (an earlier attempt of the same ADD).
     fn is_of(&self, who: &Attachment) -> bool {
-        self.entry.podref == who.podref && self.entry.ifname == who.ifname
+        self.entry.id == who.container_id
+            && self.entry.podref == who.podref
+            && self.entry.ifname == who.ifname
     }
 }
 
@@ -603,7 +631,22 @@ async fn claim<S: Store>(
         }
         match store.get_reservation(&name).await? {
             Some(r) if r.spec.podref == who.podref && r.spec.ifname == who.ifname => {
-                return Ok(Claim::Ours(r.uid));
+                if r.spec.containerid == who.container_id {
+                    return Ok(Claim::Ours(r.uid));
+                }
+                // This pod's interface under an earlier container (a StatefulSet replacement,
+                // a sandbox re-created): make it ours at the version read, so that the earlier
+                // container's DEL, which deletes only the version it saw, leaves it alone.
+                let spec = who.reservation();
+                return Ok(
+                    match store
+                        .take_over_reservation(&name, &r.uid, &r.resource_version, &spec)
+                        .await?
+                    {
+                        Write::Done => Claim::Ours(r.uid),
+                        _ => Claim::Race,
+                    },
+                );
             }
             Some(r) if r.is_recent() => return Ok(Claim::Race),
             Some(_) => return Ok(Claim::Occupied),
@@ -620,7 +663,7 @@ async fn unclaim<S: Store>(
     uid: &str,
 ) -> Result<(), StoreError> {
     store
-        .delete_reservation(&reservation_name(network_name, ip), uid)
+        .delete_reservation(&reservation_name(network_name, ip), uid, None)
         .await
         .map(|_| ())
 }
@@ -781,15 +824,17 @@ pub async fn release<S: Store>(
             continue;
         };
         let announced = match store.mark_releasing(&name, &r.uid).await {
-            Ok(w) => w == Write::Done,
+            Ok((Write::Done, rv)) => Some(rv),
+            Ok(_) => None,
             // Rights from before releases were announced: this DEL releases on its own.
-            Err(e) if e.kind() == "forbidden" => false,
+            Err(e) if e.kind() == "forbidden" => None,
             Err(e) => return Err(e),
         };
-        if announced {
-            reservations.push((*offset, name, r.uid));
-        } else {
-            unannounced.push((*offset, name, r.uid));
+        // Each reservation is deleted at the version this DEL saw or made, so that one taken
+        // over by a new container of the pod meanwhile is kept.
+        match announced {
+            Some(rv) => reservations.push((*offset, name, r.uid, rv)),
+            None => unannounced.push((*offset, name, r.uid, r.resource_version)),
         }
     }
     let others = if unannounced.is_empty() && reservations.len() == mine.len() {
@@ -830,9 +875,9 @@ pub async fn release<S: Store>(
             .filter(|o| !now.allocations.contains_key(o))
             .collect()
     };
-    for (offset, name, uid) in reservations.iter().chain(&unannounced) {
+    for (offset, name, uid, rv) in reservations.iter().chain(&unannounced) {
         if gone.contains(offset) {
-            store.delete_reservation(name, uid).await?;
+            store.delete_reservation(name, uid, Some(rv)).await?;
         }
     }
     Ok(gone
@@ -908,25 +953,39 @@ pub async fn remove_entries<S: Store>(
     pool: &str,
     entries: &[(u128, IPAllocation)],
 ) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
+    // Offsets this call has tried to remove: one found gone after a lost write was removed by
+    // that write (its answer lost on the way) or by another releaser, gone either way.
+    let mut tried = BTreeSet::new();
     for attempt in 0..MAX_CONFLICTS {
         let Some(current) = store.get_pool(pool).await? else {
-            return Ok(Vec::new());
+            return Ok(entries
+                .iter()
+                .filter(|(o, _)| tried.contains(o))
+                .cloned()
+                .collect());
         };
-        let owned: Vec<(u128, IPAllocation)> = entries
-            .iter()
-            .filter(|(o, e)| current.allocations.get(o).is_some_and(|c| same_owner(c, e)))
-            .cloned()
-            .collect();
+        let (mut gone, mut owned) = (Vec::new(), Vec::new());
+        for (o, e) in entries {
+            match current.allocations.get(o) {
+                Some(c) if same_owner(c, e) => owned.push((*o, e.clone())),
+                None if tried.contains(o) => gone.push((*o, e.clone())),
+                _ => {}
+            }
+        }
         if owned.is_empty() {
-            return Ok(owned);
+            return Ok(gone);
         }
         let offsets: Vec<u128> = owned.iter().map(|(o, _)| *o).collect();
+        tried.extend(offsets.iter().copied());
         match store
             .remove_allocations(pool, &offsets, &current.resource_version)
             .await?
         {
-            PoolWrite::Done(_) => return Ok(owned),
-            PoolWrite::Missing => return Ok(Vec::new()),
+            PoolWrite::Done(_) => {
+                gone.extend(owned);
+                return Ok(gone);
+            }
+            PoolWrite::Missing => return Ok(gone),
             PoolWrite::Conflict => jitter(attempt).await,
         }
     }
@@ -963,7 +1022,9 @@ pub async fn release_entries<S: Store>(
                 .await?
                 .filter(|r| r.spec.podref == entry.podref)
             {
-                store.delete_reservation(&name, &r.uid).await?;
+                store
+                    .delete_reservation(&name, &r.uid, Some(&r.resource_version))
+                    .await?;
             }
         }
     }

@@ -135,11 +135,15 @@ impl Auditor {
         let pools = ctx.pool_views();
         let live = live_pods(ctx);
         let stale = stale_entries(&pools, &live);
-        let mut report = Report::default();
+        let now = Instant::now();
+        // First: it cannot fail, and the rest can.
+        let mut report = Report {
+            abandoned_turns: self.sweep_turns(ctx, now).await,
+            ..Default::default()
+        };
         for (pool, _, _) in &stale {
             *report.stale.entry(pool.clone()).or_default() += 1;
         }
-        let now = Instant::now();
         for key in self.entries.observe(now, stale, ctx.opts.stale_grace) {
             if self.release_stale(ctx, &key).await? {
                 report.released += 1;
@@ -174,7 +178,6 @@ impl Auditor {
         if !due.is_empty() {
             report.released_orphans = self.release_orphans(ctx, due).await?;
         }
-        report.abandoned_turns = self.sweep_turns(ctx, now).await;
         Ok(report)
     }
 
@@ -315,7 +318,7 @@ impl Auditor {
                 tracing::info!(reservation = %name, "dry run: would delete an orphan reservation");
                 continue;
             }
-            if ctx.store.delete_reservation(&name, &uid).await? == Write::Done {
+            if ctx.store.delete_reservation(&name, &uid, None).await? == Write::Done {
                 tracing::info!(reservation = %name, "deleted an orphan reservation");
                 released += 1;
             }

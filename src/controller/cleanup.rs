@@ -184,12 +184,17 @@ async fn release_in_pool(
         entries.iter().map(|(o, e, _)| (*o, e.clone())).collect();
     let removed = remove_entries(&ctx.store, &view.name, &wanted).await?;
     crate::metrics::record_releases("pod_deleted", removed.len());
+    // A reservation that cannot be deleted now does not undo the release (the address is free
+    // in the pool); it is left for the audit, which removes claims without an entry.
     for chunk in removed.chunks(PARALLEL_CALLS) {
         let deletes = chunk
             .iter()
             .map(|(offset, entry)| release_reservation(ctx, view, *offset, entry));
         for deleted in futures::future::join_all(deletes).await {
-            deleted?;
+            if let Err(e) = deleted {
+                tracing::warn!(pool = %view.name, error = %e, "reservation of a released address not deleted; the audit will");
+                crate::metrics::record_release_error("pod_deleted");
+            }
         }
     }
     Ok(removed.into_iter().map(|(o, _)| o).collect())
@@ -208,17 +213,24 @@ async fn release_reservation(
         return Ok(());
     };
     let key = ObjectRef::new(&name).within(&ctx.opts.pool_namespace);
-    let uid = match ctx.caches.reservations.get(&key) {
-        Some(r) => (r.spec.podref == entry.podref).then(|| r.uid().unwrap_or_default()),
+    // Deleted only at the version seen: a reservation taken over by a new container of the same
+    // pod since then (a StatefulSet replacement) changed version and is kept.
+    let seen = match ctx.caches.reservations.get(&key) {
+        Some(r) => (r.spec.podref == entry.podref).then(|| {
+            (
+                r.uid().unwrap_or_default(),
+                r.resource_version().unwrap_or_default(),
+            )
+        }),
         None => ctx
             .store
             .get_reservation(&name)
             .await?
             .filter(|r| r.spec.podref == entry.podref)
-            .map(|r| r.uid),
+            .map(|r| (r.uid, r.resource_version)),
     };
-    if let Some(uid) = uid {
-        ctx.store.delete_reservation(&name, &uid).await?;
+    if let Some((uid, rv)) = seen {
+        ctx.store.delete_reservation(&name, &uid, Some(&rv)).await?;
     }
     Ok(())
 }

@@ -198,6 +198,23 @@ impl PoolChanges for KubeChanges {
 }
 
 impl KubeStore {
+    /// A conditional merge patch of a reservation; returns the new resourceVersion on success.
+    async fn patch_reservation(&self, name: &str, body: &Value) -> Result<(Write, String)> {
+        let (params, patch) = (PatchParams::default(), Patch::Merge(body));
+        match retrying(|| self.reservations.patch(name, &params, &patch)).await {
+            Ok(r) => Ok((Write::Done, r.metadata.resource_version.unwrap_or_default())),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok((Write::Missing, String::new())),
+                Some(409 | 422) => Ok((Write::Conflict, String::new())),
+                _ => Err(error(
+                    "patch",
+                    format!("overlappingrangeipreservation {name}"),
+                    e,
+                )),
+            },
+        }
+    }
+
     /// Our reservations of `pool` matching a label selector, with their addresses. Served from
     /// the API server's watch cache: cheap, possibly a moment old, which is fine (each writer
     /// adds its own claim or release explicitly).
@@ -505,23 +522,26 @@ impl Store for KubeStore {
         self.list_claims(pool, &selector).await
     }
 
-    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<Write> {
-        // A uid in a patch is a precondition: 409 if the reservation was re-made since it was read.
+    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<(Write, String)> {
+        // A uid in a patch must match the object's (it is immutable): a reservation re-made since
+        // it was read fails the patch (409 or 422), a lost condition.
         let bucket = claim_bucket(now_secs()).to_string();
         let body = json!({"metadata": {"uid": uid, "labels": {RELEASING_LABEL: bucket}}});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
-        match retrying(|| self.reservations.patch(name, &params, &patch)).await {
-            Ok(_) => Ok(Write::Done),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(Write::Missing),
-                Some(409) => Ok(Write::Conflict),
-                _ => Err(error(
-                    "patch",
-                    format!("overlappingrangeipreservation {name}"),
-                    e,
-                )),
-            },
-        }
+        self.patch_reservation(name, &body).await
+    }
+
+    async fn take_over_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+        spec: &OverlappingRangeIPReservationSpec,
+    ) -> Result<Write> {
+        let body = json!({
+            "metadata": {"uid": uid, "resourceVersion": resource_version, "labels": {RELEASING_LABEL: null}},
+            "spec": spec,
+        });
+        Ok(self.patch_reservation(name, &body).await?.0)
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
@@ -531,16 +551,24 @@ impl Store for KubeStore {
         Ok(found.map(|r| Reservation {
             name: name.to_owned(),
             uid: r.metadata.uid.unwrap_or_default(),
+            resource_version: r.metadata.resource_version.unwrap_or_default(),
             created: r.metadata.creation_timestamp.map(|t| t.0.as_second()),
             spec: r.spec,
         }))
     }
 
-    async fn delete_reservation(&self, name: &str, uid: &str) -> Result<Write> {
+    async fn delete_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: Option<&str>,
+    ) -> Result<Write> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(uid.to_owned()),
-                resource_version: None,
+                resource_version: resource_version
+                    .filter(|v| !v.is_empty())
+                    .map(str::to_owned),
             }),
             ..Default::default()
         };

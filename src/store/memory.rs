@@ -400,6 +400,7 @@ impl Store for MemoryStore {
                 uid: uid.clone(),
                 spec: spec.clone(),
                 created: Some(now),
+                resource_version: self.next.fetch_add(1, Ordering::Relaxed).to_string(),
             },
         );
         s.claims.insert(name.into(), (pool.into(), ip));
@@ -453,17 +454,45 @@ impl Store for MemoryStore {
             .collect())
     }
 
-    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<Write> {
+    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<(Write, String)> {
         self.pause().await;
         self.check("patch", name)?;
         self.counted("mark_releasing");
+        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
         let mut s = self.state.lock().unwrap();
-        match s.reservations.get(name) {
-            None => Ok(Write::Missing),
-            Some(r) if r.uid != uid => Ok(Write::Conflict),
-            Some(_) => {
+        match s.reservations.get_mut(name) {
+            None => Ok((Write::Missing, String::new())),
+            Some(r) if r.uid != uid => Ok((Write::Conflict, String::new())),
+            Some(r) => {
+                r.resource_version = rv.clone();
                 let bucket = super::claim_bucket(super::now_secs());
                 s.releasing.insert(name.into(), bucket);
+                Ok((Write::Done, rv))
+            }
+        }
+    }
+
+    async fn take_over_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+        spec: &OverlappingRangeIPReservationSpec,
+    ) -> Result<Write> {
+        self.pause().await;
+        self.check("patch", name)?;
+        self.counted("take_over_reservation");
+        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let mut s = self.state.lock().unwrap();
+        match s.reservations.get_mut(name) {
+            None => Ok(Write::Missing),
+            Some(r) if r.uid != uid || r.resource_version != resource_version => {
+                Ok(Write::Conflict)
+            }
+            Some(r) => {
+                r.spec = spec.clone();
+                r.resource_version = rv;
+                s.releasing.remove(name);
                 Ok(Write::Done)
             }
         }
@@ -475,12 +504,20 @@ impl Store for MemoryStore {
         Ok(self.state.lock().unwrap().reservations.get(name).cloned())
     }
 
-    async fn delete_reservation(&self, name: &str, uid: &str) -> Result<Write> {
+    async fn delete_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: Option<&str>,
+    ) -> Result<Write> {
         self.check("delete", name)?;
         let mut s = self.state.lock().unwrap();
         match s.reservations.get(name) {
             None => Ok(Write::Missing),
             Some(r) if r.uid != uid => Ok(Write::Conflict),
+            Some(r) if resource_version.is_some_and(|v| v != r.resource_version) => {
+                Ok(Write::Conflict)
+            }
             Some(_) => {
                 s.reservations.remove(name);
                 s.claims.remove(name);

@@ -179,6 +179,7 @@ pub struct Reservation {
     pub spec: OverlappingRangeIPReservationSpec,
     /// Creation time in seconds since the epoch, when known.
     pub created: Option<i64>,
+    pub resource_version: String,
 }
 
 impl Reservation {
@@ -304,16 +305,34 @@ pub trait Store: Send + Sync {
     /// Recent releases announced for `pool` (see [`RELEASING_LABEL`]).
     fn releases_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
     /// Announces the release of a reservation's address, if it is still the object with `uid`.
-    fn mark_releasing(&self, name: &str, uid: &str) -> impl Future<Output = Result<Write>> + Send;
+    /// Returns the reservation's new resourceVersion on success.
+    fn mark_releasing(
+        &self,
+        name: &str,
+        uid: &str,
+    ) -> impl Future<Output = Result<(Write, String)>> + Send;
+    /// Makes a reservation of this pod's interface the new container's, if it is still exactly
+    /// the version that was read (`uid` and `resource_version`), and withdraws any announced
+    /// release of it. A DEL of the old container deletes the reservation only at the version it
+    /// saw, so it can no longer delete one that a new container has taken over.
+    fn take_over_reservation(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+        spec: &OverlappingRangeIPReservationSpec,
+    ) -> impl Future<Output = Result<Write>> + Send;
     fn get_reservation(
         &self,
         name: &str,
     ) -> impl Future<Output = Result<Option<Reservation>>> + Send;
-    /// Deletes a reservation if it is still the object with `uid`.
+    /// Deletes a reservation if it is still the object with `uid` (and, when given, still at
+    /// `resource_version`: unchanged since it was read).
     fn delete_reservation(
         &self,
         name: &str,
         uid: &str,
+        resource_version: Option<&str>,
     ) -> impl Future<Output = Result<Write>> + Send;
     /// UIDs of all pods by `<namespace>/<name>` (one LIST of metadata; used by GC only).
     fn pod_uids(&self) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
