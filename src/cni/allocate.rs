@@ -321,17 +321,32 @@ async fn write_own<S: Store>(
             .await?
         {
             PoolWrite::Done(_) => return Ok(true),
-            PoolWrite::Missing => return Ok(false),
-            PoolWrite::Conflict => {
-                jitter(attempt).await;
-                match store.get_pool(&pool.name).await? {
-                    Some(fresh) => pool = fresh,
-                    None => return Ok(false),
-                }
-            }
+            lost => match next_version(store, &pool.name, lost, attempt).await? {
+                Some(fresh) => pool = fresh,
+                None => return Ok(false),
+            },
         }
     }
     Ok(false)
+}
+
+/// The pool to go on from after a conditional write: the version written, or after a lost write
+/// a fresh read following a short random pause (so that losers do not re-read in lockstep).
+/// `None` when the pool is gone.
+async fn next_version<S: Store>(
+    store: &S,
+    pool: &str,
+    written: PoolWrite,
+    attempt: u32,
+) -> Result<Option<Pool>, StoreError> {
+    match written {
+        PoolWrite::Done(fresh) => Ok(Some(fresh)),
+        PoolWrite::Missing => Ok(None),
+        PoolWrite::Conflict => {
+            jitter(attempt).await;
+            store.get_pool(pool).await
+        }
+    }
 }
 
 /// How long a claimant waits for the turn holder's next write before it tries the turn again:
@@ -515,19 +530,12 @@ async fn write_pending<S: Store>(
         } else {
             entries.push((offset, entry.clone()));
         }
-        match store
+        let written = store
             .add_allocations(&pool.name, &entries, &pool.resource_version)
-            .await?
-        {
-            PoolWrite::Done(fresh) => pool = fresh,
-            PoolWrite::Missing => return Ok(recorded),
-            PoolWrite::Conflict => {
-                jitter(attempt).await;
-                match store.get_pool(&pool.name).await? {
-                    Some(fresh) => pool = fresh,
-                    None => return Ok(recorded),
-                }
-            }
+            .await?;
+        match next_version(store, &pool.name, written, attempt).await? {
+            Some(next) => pool = next,
+            None => return Ok(recorded),
         }
     }
     Ok(false)
@@ -854,7 +862,7 @@ pub async fn release<S: Store>(
         0 // a release nobody else can see is done by this DEL alone
     };
     let gone: BTreeSet<u128> = if others == 0 {
-        remove_entries(store, &pool.name, &mine)
+        remove_entries(store, &pool.name, &mine, Some(pool.clone()))
             .await?
             .into_iter()
             .map(|(o, _)| o)
@@ -924,19 +932,12 @@ async fn remove_pending<S: Store>(
         }
         offsets.extend(ours);
         let offsets: Vec<u128> = offsets.into_iter().collect();
-        match store
+        let written = store
             .remove_allocations(&pool.name, &offsets, &pool.resource_version)
-            .await?
-        {
-            PoolWrite::Done(fresh) => pool = fresh,
-            PoolWrite::Missing => return Ok(true),
-            PoolWrite::Conflict => {
-                jitter(attempt).await;
-                match store.get_pool(&pool.name).await? {
-                    Some(fresh) => pool = fresh,
-                    None => return Ok(true),
-                }
-            }
+            .await?;
+        match next_version(store, &pool.name, written, attempt).await? {
+            Some(next) => pool = next,
+            None => return Ok(true),
         }
     }
     Ok(false)
@@ -948,16 +949,24 @@ async fn remove_pending<S: Store>(
 /// another writer got in between). Returns the entries removed. One write for a thousand entries
 /// instead of a thousand concurrent writes of one object, which the API server serialises by
 /// re-running them (docs/benchmarks.md).
+///
+/// `read` is a version of the pool the caller has just read, if any, to start from instead of
+/// reading it again (a stale one only costs a lost write).
 pub async fn remove_entries<S: Store>(
     store: &S,
     pool: &str,
     entries: &[(u128, IPAllocation)],
+    mut read: Option<Pool>,
 ) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
     // Offsets this call has tried to remove: one found gone after a lost write was removed by
     // that write (its answer lost on the way) or by another releaser, gone either way.
     let mut tried = BTreeSet::new();
     for attempt in 0..MAX_CONFLICTS {
-        let Some(current) = store.get_pool(pool).await? else {
+        let current = match read.take() {
+            Some(version) => Some(version),
+            None => store.get_pool(pool).await?,
+        };
+        let Some(current) = current else {
             return Ok(entries
                 .iter()
                 .filter(|(o, _)| tried.contains(o))

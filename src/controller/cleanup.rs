@@ -182,7 +182,7 @@ async fn release_in_pool(
 ) -> Result<BTreeSet<u128>, StoreError> {
     let wanted: Vec<(u128, IPAllocation)> =
         entries.iter().map(|(o, e, _)| (*o, e.clone())).collect();
-    let removed = remove_entries(&ctx.store, &view.name, &wanted).await?;
+    let removed = remove_entries(&ctx.store, &view.name, &wanted, None).await?;
     crate::metrics::record_releases("pod_deleted", removed.len());
     // A reservation that cannot be deleted now does not undo the release (the address is free
     // in the pool); it is left for the audit, which removes claims without an entry.

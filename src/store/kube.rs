@@ -198,6 +198,27 @@ impl PoolChanges for KubeChanges {
 }
 
 impl KubeStore {
+    /// Merges `allocations` (an entry to add, or null to remove) into the pool, if it is still at
+    /// `resource_version`: the API server compares it before applying anything and answers 409 at
+    /// once when the pool moved on.
+    async fn patch_allocations(
+        &self,
+        pool: &str,
+        allocations: serde_json::Map<String, Value>,
+        resource_version: &str,
+    ) -> Result<PoolWrite> {
+        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
+            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(PoolWrite::Missing),
+                Some(409) => Ok(PoolWrite::Conflict),
+                _ => Err(error("patch", format!("ippool {pool}"), e)),
+            },
+        }
+    }
+
     /// A conditional merge patch of a reservation; returns the new resourceVersion on success.
     async fn patch_reservation(&self, name: &str, body: &Value) -> Result<(Write, String)> {
         let (params, patch) = (PatchParams::default(), Patch::Merge(body));
@@ -321,8 +342,6 @@ impl Store for KubeStore {
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
     ) -> Result<PoolWrite> {
-        // A merge patch carrying metadata.resourceVersion: the API server compares it before
-        // applying anything and answers 409 at once when the pool moved on.
         let allocations: serde_json::Map<String, Value> = entries
             .iter()
             .map(|(o, e)| {
@@ -332,16 +351,8 @@ impl Store for KubeStore {
                 )
             })
             .collect();
-        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
-        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(PoolWrite::Missing),
-                Some(409) => Ok(PoolWrite::Conflict),
-                _ => Err(error("patch", format!("ippool {pool}"), e)),
-            },
-        }
+        self.patch_allocations(pool, allocations, resource_version)
+            .await
     }
 
     async fn remove_allocations(
@@ -350,22 +361,14 @@ impl Store for KubeStore {
         offsets: &[u128],
         resource_version: &str,
     ) -> Result<PoolWrite> {
-        // Keys set to null are removed by a merge patch; the resourceVersion makes it all or
-        // nothing against the version whose owners the caller checked.
+        // Keys set to null are removed by a merge patch, all or nothing against the version whose
+        // owners the caller checked.
         let allocations: serde_json::Map<String, Value> = offsets
             .iter()
             .map(|o| (o.to_string(), Value::Null))
             .collect();
-        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
-        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(PoolWrite::Missing),
-                Some(409) => Ok(PoolWrite::Conflict),
-                _ => Err(error("patch", format!("ippool {pool}"), e)),
-            },
-        }
+        self.patch_allocations(pool, allocations, resource_version)
+            .await
     }
 
     type Changes = KubeChanges;

@@ -175,6 +175,35 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// Changes the pool's entries if it is still at `resource_version`, as a merge patch carrying
+    /// the resourceVersion does.
+    async fn write_at(
+        &self,
+        pool: &str,
+        resource_version: &str,
+        change: impl FnOnce(&mut BTreeMap<u128, IPAllocation>),
+    ) -> Result<PoolWrite> {
+        self.pause().await;
+        self.counted("patch");
+        let outcome = self.with_pool("patch", pool, |allocations, rv| {
+            if rv.to_string() != resource_version {
+                return Write::Conflict;
+            }
+            change(allocations);
+            Write::Done
+        })?;
+        Ok(match outcome {
+            Write::Done => match self.state.lock().unwrap().pool(pool) {
+                Some(p) => PoolWrite::Done(p),
+                None => PoolWrite::Missing,
+            },
+            Write::Conflict => PoolWrite::Conflict,
+            Write::Missing => PoolWrite::Missing,
+        })
+    }
+}
+
 /// Watches a pool of a [`MemoryStore`].
 pub struct MemoryChanges {
     state: Arc<Mutex<State>>,
@@ -244,25 +273,12 @@ impl Store for MemoryStore {
         entries: &[(u128, IPAllocation)],
         resource_version: &str,
     ) -> Result<PoolWrite> {
-        self.pause().await;
-        self.counted("patch");
-        let outcome = self.with_pool("patch", pool, |allocations, rv| {
-            if rv.to_string() != resource_version {
-                return Write::Conflict;
-            }
+        self.write_at(pool, resource_version, |allocations| {
             for (offset, entry) in entries {
                 allocations.insert(*offset, entry.clone());
             }
-            Write::Done
-        })?;
-        Ok(match outcome {
-            Write::Done => match self.state.lock().unwrap().pool(pool) {
-                Some(p) => PoolWrite::Done(p),
-                None => PoolWrite::Missing,
-            },
-            Write::Conflict => PoolWrite::Conflict,
-            Write::Missing => PoolWrite::Missing,
         })
+        .await
     }
 
     async fn remove_allocations(
@@ -271,25 +287,12 @@ impl Store for MemoryStore {
         offsets: &[u128],
         resource_version: &str,
     ) -> Result<PoolWrite> {
-        self.pause().await;
-        self.counted("patch");
-        let outcome = self.with_pool("patch", pool, |allocations, rv| {
-            if rv.to_string() != resource_version {
-                return Write::Conflict;
-            }
+        self.write_at(pool, resource_version, |allocations| {
             for offset in offsets {
                 allocations.remove(offset);
             }
-            Write::Done
-        })?;
-        Ok(match outcome {
-            Write::Done => match self.state.lock().unwrap().pool(pool) {
-                Some(p) => PoolWrite::Done(p),
-                None => PoolWrite::Missing,
-            },
-            Write::Conflict => PoolWrite::Conflict,
-            Write::Missing => PoolWrite::Missing,
         })
+        .await
     }
 
     type Changes = MemoryChanges;
