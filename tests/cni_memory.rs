@@ -62,6 +62,27 @@ fn addresses(result: &Value) -> Vec<String> {
         .collect()
 }
 
+/// `n` ADDs of pods p0.. (containers c0..) at once; every one must succeed with an address no
+/// other got. Returns the addresses.
+async fn concurrent_adds(store: &Arc<MemoryStore>, ipam: &Value, n: usize) -> BTreeSet<String> {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (store, ipam) = (store.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let (c, p) = (format!("c{i}"), format!("p{i}"));
+                let out = run(&store, Command::Add, &ipam, &c, &p).await;
+                addresses(&out.unwrap().unwrap())[0].clone()
+            })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        let ip = t.await.unwrap();
+        assert!(seen.insert(ip.clone()), "{ip} given twice");
+    }
+    seen
+}
+
 fn dual() -> Value {
     json!({"type": "whereabouts", "range": "12.12.12.12/24", "gateway": "12.12.12.1", "ipRanges": [
         {"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"},
@@ -159,26 +180,7 @@ async fn add_is_idempotent_and_refreshes_the_container() {
 async fn concurrent_adds_never_duplicate() {
     let store = Arc::new(MemoryStore::new());
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let mut tasks = Vec::new();
-    for i in 0..100 {
-        let (store, ipam) = (store.clone(), ipam.clone());
-        tasks.push(tokio::spawn(async move {
-            run(
-                &store,
-                Command::Add,
-                &ipam,
-                &format!("c{i}"),
-                &format!("p{i}"),
-            )
-            .await
-            .unwrap()
-            .unwrap()
-        }));
-    }
-    let mut seen = BTreeSet::new();
-    for t in tasks {
-        assert!(seen.insert(addresses(&t.await.unwrap())[0].clone()));
-    }
+    let seen = concurrent_adds(&store, &ipam, 100).await;
     assert_eq!(seen.len(), 100);
     assert_eq!(
         store
@@ -198,20 +200,7 @@ async fn concurrent_adds_never_duplicate() {
 async fn concurrent_adds_share_pool_writes() {
     let store = Arc::new(MemoryStore::new().interleaved());
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let tasks: Vec<_> = (0..100)
-        .map(|i| {
-            let (store, ipam) = (store.clone(), ipam.clone());
-            tokio::spawn(async move {
-                let (c, p) = (format!("c{i}"), format!("p{i}"));
-                let out = run(&store, Command::Add, &ipam, &c, &p).await;
-                addresses(&out.unwrap().unwrap())[0].clone()
-            })
-        })
-        .collect();
-    let mut seen = BTreeSet::new();
-    for t in tasks {
-        assert!(seen.insert(t.await.unwrap()));
-    }
+    assert_eq!(concurrent_adds(&store, &ipam, 100).await.len(), 100);
     let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
     assert_eq!(pool.allocations.len(), 100);
     assert_eq!(store.reservation_names().len(), 100);
@@ -306,20 +295,7 @@ async fn an_abandoned_turn_is_taken_over() {
     store.abandon_turn("10.0.0.0-24");
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
     let started = tokio::time::Instant::now();
-    let tasks: Vec<_> = (0..20)
-        .map(|i| {
-            let (store, ipam) = (store.clone(), ipam.clone());
-            tokio::spawn(async move {
-                let (c, p) = (format!("c{i}"), format!("p{i}"));
-                let out = run(&store, Command::Add, &ipam, &c, &p).await;
-                addresses(&out.unwrap().unwrap())[0].clone()
-            })
-        })
-        .collect();
-    let mut seen = BTreeSet::new();
-    for t in tasks {
-        assert!(seen.insert(t.await.unwrap()));
-    }
+    let seen = concurrent_adds(&store, &ipam, 20).await;
     assert_eq!(seen.len(), 20);
     assert!(store.count("break_turn") >= 1);
     assert!(started.elapsed() >= std::time::Duration::from_secs(5));

@@ -67,18 +67,25 @@ fn add_is_idempotent_and_del_frees_everything() {
     );
 }
 
-#[test]
-fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
-    let ns = Ns::new("conc");
-    let conf = ns.netconf("1.0.0", json!({"range": "10.20.0.0/24"}));
-    let children: Vec<_> = (0..100)
-        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
+/// `n` ADD processes for pods pod0.. (containers c0..) started at once; each must get an address
+/// no other got. Returns the addresses.
+fn concurrent_adds(ns: &Ns, conf: &serde_json::Value, n: usize) -> BTreeSet<String> {
+    let children: Vec<_> = (0..n)
+        .map(|i| ns.cni_spawn("ADD", conf, &format!("c{i}"), &format!("pod{i}")))
         .collect();
     let mut seen = BTreeSet::new();
     for child in children {
         let r = crate::harness::Cni::from(child.wait_with_output().unwrap());
         assert!(seen.insert(r.addresses()[0].clone()), "duplicate address");
     }
+    seen
+}
+
+#[test]
+fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
+    let ns = Ns::new("conc");
+    let conf = ns.netconf("1.0.0", json!({"range": "10.20.0.0/24"}));
+    let seen = concurrent_adds(&ns, &conf, 100);
     assert_eq!(seen.len(), 100);
     assert_eq!(ns.allocations("10.20.0.0-24").len(), 100);
     assert_eq!(ns.reservations().len(), 100);
@@ -120,14 +127,7 @@ fn an_abandoned_writer_turn_is_taken_over() {
         String::from_utf8_lossy(&out.stderr)
     );
     let started = std::time::Instant::now();
-    let children: Vec<_> = (0..40)
-        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
-    let mut seen = BTreeSet::new();
-    for child in children {
-        let r = crate::harness::Cni::from(child.wait_with_output().unwrap());
-        assert!(seen.insert(r.addresses()[0].clone()), "duplicate address");
-    }
+    assert_eq!(concurrent_adds(&ns, &conf, 40).len(), 40);
     assert_eq!(ns.allocations("10.21.0.0-24").len(), 40);
     assert!(
         started.elapsed() < Duration::from_secs(60),
