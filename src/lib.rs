@@ -5,6 +5,7 @@
 //! the admission webhook and the offline `validate` command; `crd` holds the wire types only.
 
 pub mod admin;
+pub mod agent;
 pub mod cli;
 pub mod cni;
 pub mod config;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{CniError, Command, code};
-use whereabouts::cni::{Invocation, Request, handle, load};
+use whereabouts::cni::{FlatSource, Invocation, Request, handle, load};
 use whereabouts::crd::IPAllocation;
 use whereabouts::store::Store;
 use whereabouts::store::memory::MemoryStore;
@@ -38,7 +38,7 @@ fn request_conf(
         &Invocation {
             env: &env,
             stdin: &stdin,
-            flat_file_paths: Some(vec![]),
+            flat_file: FlatSource::Paths(vec![]),
         },
     )
 }
@@ -587,5 +587,147 @@ async fn legacy_result_versions() {
         .unwrap();
         assert_eq!(out["cniVersion"], v);
         assert_eq!(out["ips"][0].get("version").is_some(), v.starts_with("0."));
+    }
+}
+
+// ---- The node agent's group allocation (cni::group, agent::batch) ----
+
+fn job(range: &whereabouts::config::RangeConfig, i: usize) -> whereabouts::cni::group::Job {
+    let who = whereabouts::cni::protocol::Attachment {
+        container_id: format!("c{i}"),
+        ifname: "net1".into(),
+        podref: format!("ns/p{i}"),
+        pod_uid: format!("uid-p{i}"),
+    };
+    let scope = whereabouts::cni::allocate::Scope {
+        network_name: None,
+        overlapping: true,
+    };
+    whereabouts::cni::group::Job::new(range, scope, &who)
+}
+
+fn range_of(ipam: Value) -> whereabouts::config::RangeConfig {
+    let validated =
+        whereabouts::config::validate_ipam(&ipam, "ipam", whereabouts::config::Source::Runtime);
+    validated.config.expect("valid config").ranges.remove(0)
+}
+
+#[tokio::test]
+async fn a_group_takes_the_lowest_addresses_with_one_pool_write() {
+    let store = MemoryStore::new();
+    let range = range_of(json!({"range": "10.0.0.0/24"}));
+    let jobs = (0..50).map(|i| job(&range, i)).collect();
+    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let ips: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap().ip.to_string())
+        .collect();
+    let expected: Vec<String> = (1..=50).map(|i| format!("10.0.0.{i}")).collect();
+    assert_eq!(ips, expected, "job order, lowest free first");
+    assert_eq!(store.count("patch"), 1, "one write records the whole group");
+    assert_eq!(store.reservation_names().len(), 50);
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations[&7].podref, "ns/p6");
+}
+
+#[tokio::test]
+async fn a_group_reuses_held_entries_and_reports_exhaustion_per_job() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24", "range_start": "10.0.0.10", "range_end": "10.0.0.13"});
+    let first = run(&store, Command::Add, &ipam, "c0", "p0").await.unwrap();
+    assert_eq!(addresses(&first.unwrap()), ["10.0.0.10/24"]);
+    let range = range_of(ipam);
+    let jobs = (0..6).map(|i| job(&range, i)).collect();
+    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let shown: Vec<String> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(a) => a.ip.to_string(),
+            Err(e) => e.to_string(),
+        })
+        .collect();
+    let full = "no free address in range 10.0.0.0/24 (window 10.0.0.10 to 10.0.0.13): all 4 addresses are allocated";
+    assert_eq!(
+        shown,
+        [
+            "10.0.0.10", // p0's entry, reused
+            "10.0.0.11",
+            "10.0.0.12",
+            "10.0.0.13",
+            full,
+            full
+        ]
+    );
+}
+
+/// ADDs through the agent's batcher, with plain one-by-one ADDs of other processes writing the
+/// same pool at the same time: every address distinct, and the batcher needs far fewer writes.
+#[tokio::test]
+async fn batched_and_direct_adds_share_a_pool_without_duplicates() {
+    use whereabouts::agent::batch::Batcher;
+    let store = Arc::new(MemoryStore::new().interleaved());
+    let batcher = Arc::new(Batcher::new(store.clone()));
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let tasks: Vec<_> = (0..120)
+        .map(|i| {
+            let (store, batcher, ipam) = (store.clone(), batcher.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let req = request(Command::Add, ipam, &format!("c{i}"), &format!("p{i}")).unwrap();
+                let out = if i % 4 == 0 {
+                    handle(&*store, &req).await
+                } else {
+                    whereabouts::cni::handle_with(&*store, &*batcher, &req).await
+                };
+                addresses(&out.unwrap().unwrap())[0].clone()
+            })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        let ip = t.await.unwrap();
+        assert!(seen.insert(ip.clone()), "{ip} given twice");
+    }
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len(), 120);
+    assert_eq!(store.reservation_names().len(), 120);
+    let writes = store.count("patch");
+    assert!(
+        writes < 60,
+        "{writes} pool writes for 90 batched and 30 direct ADDs"
+    );
+}
+
+/// A dual-stack ADD through the batcher goes through two pools' groups, in range order.
+#[tokio::test]
+async fn batched_dual_stack_adds_get_one_address_per_range() {
+    use whereabouts::agent::batch::Batcher;
+    let store = Arc::new(MemoryStore::new());
+    let batcher = Arc::new(Batcher::new(store.clone()));
+    let tasks: Vec<_> = (0..40)
+        .map(|i| {
+            let (store, batcher) = (store.clone(), batcher.clone());
+            tokio::spawn(async move {
+                let req =
+                    request(Command::Add, dual(), &format!("c{i}"), &format!("p{i}")).unwrap();
+                let out = whereabouts::cni::handle_with(&*store, &*batcher, &req).await;
+                addresses(&out.unwrap().unwrap())
+            })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        let ips = t.await.unwrap();
+        assert_eq!(ips.len(), 4);
+        assert!(
+            ips[1].starts_with("10.10.10.") && ips[2].starts_with("2001::"),
+            "{ips:?}"
+        );
+        for ip in &ips[..3] {
+            assert!(seen.insert(ip.clone()), "{ip} given twice");
+        }
+    }
+    for pool in ["12.12.12.0-24", "10.10.10.0-24", "2001---64"] {
+        let p = store.get_pool(pool).await.unwrap().unwrap();
+        assert_eq!(p.allocations.len(), 40, "{pool}");
     }
 }

@@ -292,3 +292,31 @@ fn a_bad_exclude_does_not_hide_other_problems_of_the_range() {
         r#"ipam.exclude[1] "2001::/64" is not of the same address family as range 10.50.0.0/24"#
     );
 }
+
+#[test]
+fn agent_socket_defaults_turns_off_and_must_be_absolute() {
+    let socket = |ipam: Value| check(ipam).config.map(|c| c.agent_socket);
+    assert_eq!(
+        socket(json!({"range": "10.0.0.0/24"})),
+        Some(Some("/run/whereabouts/agent.sock".to_owned()))
+    );
+    assert_eq!(
+        socket(json!({"range": "10.0.0.0/24", "agent_socket": "/tmp/a.sock"})),
+        Some(Some("/tmp/a.sock".to_owned()))
+    );
+    assert_eq!(
+        socket(json!({"range": "10.0.0.0/24", "agent_socket": ""})),
+        Some(None)
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "agent_socket": "run/agent.sock"})),
+        vec![
+            r#"ipam.agent_socket "run/agent.sock" must be an absolute path to the node agent's Unix socket, or "" to turn the agent off"#
+        ]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "agent_socket": 7})),
+        vec![r#"ipam.agent_socket "7" must be a string"#]
+    );
+    assert!(warnings(json!({"range": "10.0.0.0/24", "agent_socket": ""})).is_empty());
+}

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use whereabouts::cli::agent::AgentArgs;
 use whereabouts::cli::install_cni::InstallCniArgs;
 use whereabouts::cli::run::RunArgs;
 use whereabouts::cli::validate::ValidateArgs;
@@ -34,6 +35,9 @@ enum Cmd {
     /// Install the CNI plugin, its flat file and kubeconfig on this node (run by the DaemonSet),
     /// and keep the kubeconfig current as the ServiceAccount token rotates.
     InstallCni(InstallCniArgs),
+    /// Run the node agent (a container of the node DaemonSet): serves the node's CNI plugin
+    /// calls over a Unix socket with one API connection, allocating concurrent ADDs in groups.
+    Agent(AgentArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +57,9 @@ fn main() -> ExitCode {
         }
         Cmd::InstallCni(args) => {
             exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::install_cni::run(args))))
+        }
+        Cmd::Agent(args) => {
+            exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::agent::run(args))))
         }
         Cmd::Validate(args) => match runtime() {
             Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::validate::validate(args))),

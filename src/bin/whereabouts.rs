@@ -3,22 +3,21 @@
 //! Reads the CNI environment and the network config on stdin, runs one command against the
 //! Kubernetes datastore, prints the result or a CNI error on stdout. Logs go to stderr and the
 //! configured `log_file`, never to stdout.
+//!
+//! When the node agent listens at `agent_socket`, the validated request is handed to it (it keeps
+//! one API connection and allocates concurrent ADDs in groups); otherwise the plugin runs it.
 
 use std::io::Read;
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use serde_json::Value;
+use whereabouts::agent::client;
+use whereabouts::agent::protocol::{AgentReply, AgentRequest};
 use whereabouts::cni::protocol::{CniError, Command, code};
-use whereabouts::cni::{self, Invocation, Request};
+use whereabouts::cni::{self, FlatSource, Invocation, Request};
 use whereabouts::store::kube::KubeStore;
-
-/// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
-const ADD_DEADLINE: Duration = Duration::from_secs(110);
-/// After an ADD runs out of time, what it took is released within this budget (the total stays
-/// within upstream's two minutes), so a timed-out ADD leaves no claim behind.
-const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
-const OTHER_DEADLINE: Duration = Duration::from_secs(60);
 
 fn main() -> ExitCode {
     let env = |k: &str| std::env::var(k).ok();
@@ -41,65 +40,60 @@ fn main() -> ExitCode {
         .ok()
         .and_then(|v| v.get("cniVersion")?.as_str().map(str::to_owned))
         .unwrap_or_default();
-    let inv = Invocation {
+    let lookup = Invocation {
         env: &env,
         stdin: &stdin,
-        flat_file_paths: None,
+        flat_file: FlatSource::Lookup,
     };
-    init_logging(&inv);
+    init_logging(&lookup);
+    // The flat file is read once and the same content goes to the agent.
+    let flat_file = match cni::find_flat_file(&lookup) {
+        Ok(f) => f,
+        Err(e) => return fail(&e, &version),
+    };
+    let inv = Invocation {
+        flat_file: FlatSource::Found(flat_file.clone()),
+        ..lookup
+    };
     let req = match cni::load(command, &inv) {
         Ok(r) => r,
         Err(e) => return fail(&e, &version),
     };
+    if let Some(socket) = req.ipam.agent_socket.as_deref() {
+        let request = AgentRequest::new(std::env::vars(), &stdin, flat_file);
+        let wait = cni::ADD_DEADLINE + cni::ROLLBACK_BUDGET + Duration::from_secs(5);
+        match client::call(Path::new(socket), &request, wait) {
+            Ok(Some(AgentReply::Done { output })) => return print(output),
+            Ok(Some(AgentReply::Failed { code, msg, details })) => {
+                return fail(&CniError::new(code, msg).with_details(details), &version);
+            }
+            Ok(Some(AgentReply::Direct { reason })) => {
+                tracing::debug!(%reason, "the node agent handed the request back");
+            }
+            Ok(None) => {}
+            Err(e) => return fail(&e, &version),
+        }
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
     match runtime.block_on(run(&req)) {
-        Ok(Some(out)) => {
-            println!("{out}");
-            ExitCode::SUCCESS
-        }
-        Ok(None) => ExitCode::SUCCESS,
+        Ok(output) => print(output),
         Err(e) => fail(&e, &version),
     }
 }
 
+fn print(output: Option<Value>) -> ExitCode {
+    if let Some(out) = output {
+        println!("{out}");
+    }
+    ExitCode::SUCCESS
+}
+
 async fn run(req: &Request) -> Result<Option<Value>, CniError> {
     let store = connect(req.ipam.kubeconfig.as_deref()).await?;
-    let deadline = if req.command == Command::Add {
-        ADD_DEADLINE
-    } else {
-        OTHER_DEADLINE
-    };
-    match tokio::time::timeout(deadline, cni::handle(&store, req)).await {
-        Ok(result) => result,
-        Err(_) => {
-            if req.command == Command::Add {
-                // The ADD was cut off mid-way, before its own all-or-nothing rollback: release
-                // whatever this attachment holds, as a DEL would.
-                let del = Request {
-                    command: Command::Del,
-                    ..req.clone()
-                };
-                if let Err(e) | Ok(Err(e)) =
-                    tokio::time::timeout(ROLLBACK_BUDGET, cni::handle(&store, &del))
-                        .await
-                        .map_err(|_| CniError::new(code::TRY_AGAIN_LATER, "rollback timed out"))
-                {
-                    tracing::error!(error = %e.msg, "could not roll back a timed-out ADD; the operator's audit will release it");
-                }
-            }
-            Err(CniError::new(
-                code::TRY_AGAIN_LATER,
-                format!(
-                    "{:?} did not finish within {}s",
-                    req.command,
-                    deadline.as_secs()
-                ),
-            ))
-        }
-    }
+    cni::handle_within(&store, &cni::Direct, req).await
 }
 
 async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {

@@ -240,7 +240,7 @@ fn flatten(r: Result<anyhow::Result<()>, tokio::task::JoinError>) -> anyhow::Res
     r.map_err(anyhow::Error::from)?
 }
 
-async fn signal() {
+pub async fn signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
     tokio::select! {

@@ -56,6 +56,9 @@ pub enum AllocError {
     TooManyConflicts { pool: String, attempts: u32 },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The node agent could not finish the allocation (it is shutting down).
+    #[error("node agent: {0}")]
+    Agent(String),
 }
 
 /// The network a range belongs to and how its addresses are protected.
@@ -66,7 +69,7 @@ pub struct Scope<'a> {
 }
 
 impl Attachment {
-    fn entry(&self) -> IPAllocation {
+    pub(super) fn entry(&self) -> IPAllocation {
         IPAllocation {
             id: self.container_id.clone(),
             podref: self.podref.clone(),
@@ -541,20 +544,20 @@ async fn write_pending<S: Store>(
     Ok(false)
 }
 
-fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
+pub(super) fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
     current.id == expected.id && current.podref == expected.podref
 }
 
 /// A claim of the pool whose entry the pool does not hold yet.
-struct PendingClaim {
-    offset: u128,
-    uid: String,
-    entry: IPAllocation,
+pub(super) struct PendingClaim {
+    pub(super) offset: u128,
+    pub(super) uid: String,
+    pub(super) entry: IPAllocation,
 }
 
 impl PendingClaim {
     /// Made by this very container for this interface (an earlier attempt of the same ADD).
-    fn is_of(&self, who: &Attachment) -> bool {
+    pub(super) fn is_of(&self, who: &Attachment) -> bool {
         self.entry.id == who.container_id
             && self.entry.podref == who.podref
             && self.entry.ifname == who.ifname
@@ -562,7 +565,7 @@ impl PendingClaim {
 }
 
 /// This pool's claims that the pool does not hold yet (other than `own`).
-async fn pending_claims<S: Store>(
+pub(super) async fn pending_claims<S: Store>(
     store: &S,
     range: &RangeConfig,
     pool: &Pool,
@@ -600,14 +603,14 @@ async fn pending_claims<S: Store>(
 }
 
 /// A short random pause after a lost pool write, so that losers do not re-read in lockstep.
-async fn jitter(attempt: u32) {
+pub(super) async fn jitter(attempt: u32) {
     let cap_ms = 5u64 << attempt.min(4);
     tokio::time::sleep(std::time::Duration::from_millis(fastrand::u64(0..=cap_ms))).await;
 }
 
 /// The outcome of trying to claim an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Claim {
+pub(super) enum Claim {
     /// Ours, with the reservation's UID (new, or left by an earlier attempt of this attachment).
     Ours(String),
     /// Lost to a claimant that is probably still racing us: spread the next pick.
@@ -618,7 +621,7 @@ enum Claim {
     Lost,
 }
 
-async fn claim<S: Store>(
+pub(super) async fn claim<S: Store>(
     store: &S,
     pool: &str,
     network_name: Option<&str>,
@@ -664,7 +667,7 @@ async fn claim<S: Store>(
     Ok(Claim::Race)
 }
 
-async fn unclaim<S: Store>(
+pub(super) async fn unclaim<S: Store>(
     store: &S,
     network_name: Option<&str>,
     ip: IpAddr,
@@ -722,7 +725,7 @@ async fn reuse<S: Store>(
 /// Reads the pool, creating it on first use. The first read of an ADD may come from the API
 /// server's cache (five times cheaper for a pool of a few hundred entries than a read from etcd):
 /// if it is a moment old, the conditional write fails and everything after reads from etcd.
-async fn ensure_pool<S: Store>(
+pub(super) async fn ensure_pool<S: Store>(
     store: &S,
     range: &RangeConfig,
     cached: bool,
@@ -756,7 +759,7 @@ async fn ensure_pool<S: Store>(
         })
 }
 
-fn exhausted(range: &RangeConfig) -> AllocError {
+pub(super) fn exhausted(range: &RangeConfig) -> AllocError {
     let (first, last) = range.range.window();
     let excludes = range.range.excludes();
     let excludes = if excludes.is_empty() {

@@ -4,16 +4,18 @@
 //! CNI errors); [`handle`] runs it. The binary only wires a Kubernetes store and prints.
 
 pub mod allocate;
+pub mod group;
 pub mod protocol;
 
 use std::collections::HashSet;
 use std::net::IpAddr;
+use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use crate::config::{IpamConfig, NetConf, Source, flat, problem, validate_ipam};
+use crate::config::{IpamConfig, NetConf, RangeConfig, Source, flat, problem, validate_ipam};
 use crate::store::Store;
-use allocate::{AllocError, Scope, allocate, release, release_entries};
+use allocate::{AllocError, Allocated, Scope, release, release_entries};
 use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
 
 /// Everything a command needs, validated.
@@ -30,8 +32,18 @@ pub struct Request {
 pub struct Invocation<'a> {
     pub env: &'a dyn Fn(&str) -> Option<String>,
     pub stdin: &'a str,
-    /// Where to look for the flat file; `None` means the standard lookup.
-    pub flat_file_paths: Option<Vec<std::path::PathBuf>>,
+    pub flat_file: FlatSource,
+}
+
+/// Where the flat file comes from.
+#[derive(Debug, Clone)]
+pub enum FlatSource {
+    /// The standard lookup: `configuration_path`, then the well-known paths.
+    Lookup,
+    /// These paths, in order.
+    Paths(Vec<std::path::PathBuf>),
+    /// Already read: what the plugin found on the node and forwarded to the node agent.
+    Found(Option<flat::FlatFile>),
 }
 
 /// Parses and validates an invocation (not VERSION, which needs none of this).
@@ -74,19 +86,31 @@ pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError>
     })
 }
 
+/// The flat file this invocation's config merges (none is fine: the flat file is optional).
+pub fn find_flat_file(inv: &Invocation<'_>) -> Result<Option<flat::FlatFile>, CniError> {
+    let paths = match &inv.flat_file {
+        FlatSource::Found(found) => return Ok(found.clone()),
+        FlatSource::Paths(paths) => paths.clone(),
+        FlatSource::Lookup => {
+            let configuration_path =
+                NetConf::parse(inv.stdin, "network config")
+                    .ok()
+                    .and_then(|conf| {
+                        let (_, ipam) = conf.runtime_ipam()?;
+                        Some(ipam.get("configuration_path")?.as_str()?.to_owned())
+                    });
+            flat::candidates(configuration_path.as_deref())
+        }
+    };
+    flat::load(&paths).map_err(|p| CniError::new(code::INVALID_CONFIG, p.to_string()))
+}
+
 fn merge_flat_file(ipam: &Value, inv: &Invocation<'_>) -> Result<Value, CniError> {
     let Some(obj) = ipam.as_object() else {
         return Ok(ipam.clone());
     };
-    let configuration_path = obj.get("configuration_path").and_then(Value::as_str);
-    let paths = inv
-        .flat_file_paths
-        .clone()
-        .unwrap_or_else(|| flat::candidates(configuration_path));
     let mut merged: Map<String, Value> = obj.clone();
-    if let Some((path, flat_conf)) =
-        flat::load(&paths).map_err(|p| CniError::new(code::INVALID_CONFIG, p.to_string()))?
-    {
+    if let Some((path, flat_conf)) = find_flat_file(inv)? {
         tracing::debug!(path = %path.display(), "merging flat file");
         flat::merge(&mut merged, &flat_conf);
     }
@@ -113,10 +137,91 @@ fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
     Ok(())
 }
 
+/// How an ADD claims each range's address: by this process alone ([`Direct`]), or handed to the
+/// node agent's group allocator, which claims many ADDs' addresses of one pool together.
+pub trait Allocate<S: Store>: Sync {
+    fn allocate(
+        &self,
+        store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send;
+}
+
+/// Each ADD claims and records its own addresses ([`allocate::allocate`]).
+pub struct Direct;
+
+impl<S: Store> Allocate<S> for Direct {
+    fn allocate(
+        &self,
+        store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
+        allocate::allocate(store, range, scope, who)
+    }
+}
+
+/// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
+pub const ADD_DEADLINE: Duration = Duration::from_secs(110);
+/// After an ADD runs out of time, what it took is released within this budget (the total stays
+/// within upstream's two minutes), so a timed-out ADD leaves no claim behind.
+pub const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
+pub const OTHER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Runs a command within its deadline; an ADD cut off mid-way releases what it took.
+pub async fn handle_within<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Option<Value>, CniError> {
+    let deadline = if req.command == Command::Add {
+        ADD_DEADLINE
+    } else {
+        OTHER_DEADLINE
+    };
+    if let Ok(result) = tokio::time::timeout(deadline, handle_with(store, alloc, req)).await {
+        return result;
+    }
+    if req.command == Command::Add {
+        // Cut off before its own all-or-nothing rollback: release whatever this attachment
+        // holds, as a DEL would.
+        let del = Request {
+            command: Command::Del,
+            ..req.clone()
+        };
+        if let Err(e) | Ok(Err(e)) = tokio::time::timeout(ROLLBACK_BUDGET, handle(store, &del))
+            .await
+            .map_err(|_| CniError::new(code::TRY_AGAIN_LATER, "rollback timed out"))
+        {
+            tracing::error!(error = %e.msg, "could not roll back a timed-out ADD; the operator's audit will release it");
+        }
+    }
+    Err(CniError::new(
+        code::TRY_AGAIN_LATER,
+        format!(
+            "{:?} did not finish within {}s",
+            req.command,
+            deadline.as_secs()
+        ),
+    ))
+}
+
 /// Runs a command. `Ok(Some(json))` is printed on stdout; `Ok(None)` prints nothing.
 pub async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
+    handle_with(store, &Direct, req).await
+}
+
+/// [`handle`], with ADD's addresses claimed by `alloc`.
+pub async fn handle_with<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Option<Value>, CniError> {
     match req.command {
-        Command::Add => add(store, req).await.map(Some),
+        Command::Add => add(store, alloc, req).await.map(Some),
         Command::Del => del(store, req).await.map(|_| None),
         Command::Check => check(store, req).await.map(|_| None),
         Command::Gc => gc(store, req).await.map(|_| None),
@@ -125,7 +230,7 @@ pub async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Value>,
     }
 }
 
-fn scope(req: &Request) -> Scope<'_> {
+pub fn scope(req: &Request) -> Scope<'_> {
     Scope {
         network_name: req.ipam.network_name.as_deref(),
         overlapping: req.ipam.enable_overlapping_ranges,
@@ -133,10 +238,17 @@ fn scope(req: &Request) -> Scope<'_> {
 }
 
 /// Allocates one address per range, in order; all or nothing.
-async fn add<S: Store>(store: &S, req: &Request) -> Result<Value, CniError> {
+async fn add<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Value, CniError> {
     let mut ips = Vec::with_capacity(req.ipam.ranges.len());
     for (i, range) in req.ipam.ranges.iter().enumerate() {
-        match allocate(store, range, scope(req), &req.attachment).await {
+        match alloc
+            .allocate(store, range, scope(req), &req.attachment)
+            .await
+        {
             Ok(a) => {
                 tracing::info!(ip = %a.ip, pool = %range.pool_name, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
                 ips.push(IpResult {
@@ -193,7 +305,9 @@ fn static_addresses(req: &Request) -> Vec<IpResult> {
 fn alloc_error(e: AllocError) -> CniError {
     match &e {
         AllocError::Exhausted { .. } => CniError::new(code::EXHAUSTED, e.to_string()),
-        AllocError::TooManyConflicts { .. } => CniError::new(code::TRY_AGAIN_LATER, e.to_string()),
+        AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
+            CniError::new(code::TRY_AGAIN_LATER, e.to_string())
+        }
         AllocError::Store(s) => {
             CniError::new(code::TRY_AGAIN_LATER, format!("datastore: {s}")).with_details(s.kind())
         }

@@ -7,4 +7,6 @@ pub mod validate;
 
 pub use netconf::NetConf;
 pub use problem::Problem;
-pub use validate::{IpamConfig, RangeConfig, Source, StaticAddress, Validated, validate_ipam};
+pub use validate::{
+    DEFAULT_AGENT_SOCKET, IpamConfig, RangeConfig, Source, StaticAddress, Validated, validate_ipam,
+};

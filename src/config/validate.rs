@@ -35,6 +35,7 @@ const KNOWN_KEYS: &[&str] = &[
     "configuration_path",
     "log_file",
     "log_level",
+    "agent_socket",
     "leader_lease_duration",
     "leader_renew_deadline",
     "leader_retry_period",
@@ -50,6 +51,8 @@ const KNOWN_KEYS: &[&str] = &[
 ];
 const RANGE_KEYS: &[&str] = &["range", "range_start", "range_end", "exclude"];
 const LOG_LEVELS: &[&str] = &["debug", "verbose", "error", "panic"];
+/// Where the node agent listens (our addition; the DaemonSet's agent container binds it).
+pub const DEFAULT_AGENT_SOCKET: &str = "/run/whereabouts/agent.sock";
 
 /// Where a config comes from decides what may be missing: a NAD may leave keys to the node's flat
 /// file, a config handed to the plugin at runtime has already been merged with it.
@@ -89,6 +92,9 @@ pub struct IpamConfig {
     pub kubeconfig: Option<String>,
     pub log_file: Option<String>,
     pub log_level: Option<String>,
+    /// The node agent's Unix socket (`agent_socket`, our addition): ADDs and DELs go through the
+    /// agent when it listens there, directly to the API server otherwise. `None`: never.
+    pub agent_socket: Option<String>,
 }
 
 /// The outcome of validation: a config only when there are no errors; warnings either way.
@@ -127,6 +133,7 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
         .map(str::to_owned);
     let log_file = r.string("log_file").map(str::to_owned);
     let log_level = r.string("log_level").map(str::to_owned);
+    let agent_socket = read_agent_socket(&mut r);
     r.string("configuration_path");
     check_node_slice(&mut r, &ranges);
     if let Some(name) = &network_name {
@@ -166,10 +173,33 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
             kubeconfig,
             log_file,
             log_level,
+            agent_socket,
         });
     }
     out.errors = errors;
     out
+}
+
+/// `agent_socket`: absent means the default path, `""` turns the agent off, anything else must be
+/// an absolute path (the plugin runs with whatever working directory the runtime gives it).
+fn read_agent_socket(r: &mut Reader<'_>) -> Option<String> {
+    match r.obj.get("agent_socket") {
+        None | Some(Value::Null) => Some(DEFAULT_AGENT_SOCKET.to_owned()),
+        Some(Value::String(s)) if s.is_empty() => None,
+        Some(Value::String(s)) if s.starts_with('/') => Some(s.clone()),
+        Some(Value::String(s)) => {
+            r.errors.push(Problem::with_value(
+                r.path("agent_socket"),
+                s,
+                "must be an absolute path to the node agent's Unix socket, or \"\" to turn the agent off",
+            ));
+            None
+        }
+        Some(v) => {
+            r.wrong_type("agent_socket", v, "a string");
+            None
+        }
+    }
 }
 
 /// True when the config names a range at all; whether it is a good one is checked elsewhere.

@@ -1,0 +1,62 @@
+//! The plugin's side of the agent socket: plain blocking I/O, no runtime needed.
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use super::protocol::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
+use crate::cni::protocol::{CniError, code};
+
+/// How long writing the request may take (it is a few kilobytes into a local socket).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Hands `request` to the agent listening at `socket` and waits up to `timeout` for its answer.
+///
+/// `Ok(None)` when no agent took the request (nothing listens there, or the request could not
+/// be written): the plugin runs it itself, which is safe because the agent runs only complete
+/// requests. Once the request is sent, only the agent's answer counts: a lost answer is an
+/// error the runtime retries, never a second run of the request by the plugin.
+pub fn call(
+    socket: &Path,
+    request: &AgentRequest,
+    timeout: Duration,
+) -> Result<Option<AgentReply>, CniError> {
+    let mut stream = match UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(socket = %socket.display(), error = %e, "no node agent; running the request here");
+            return Ok(None);
+        }
+    };
+    let body = serde_json::to_vec(request).expect("requests serialize");
+    let sent = stream
+        .set_write_timeout(Some(WRITE_TIMEOUT))
+        .and_then(|_| stream.write_all(&body))
+        .and_then(|_| stream.shutdown(std::net::Shutdown::Write));
+    if let Err(e) = sent {
+        tracing::warn!(socket = %socket.display(), error = %e, "could not send the request to the node agent; running it here");
+        return Ok(None);
+    }
+    let lost = |what: String| {
+        CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("node agent at {}: {what}", socket.display()),
+        )
+    };
+    let mut answer = Vec::new();
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|_| {
+            (&mut stream)
+                .take(MAX_REQUEST_BYTES as u64)
+                .read_to_end(&mut answer)
+        })
+        .map_err(|e| lost(format!("no answer: {e}")))?;
+    if answer.is_empty() {
+        return Err(lost("closed the connection without an answer".into()));
+    }
+    serde_json::from_slice(&answer)
+        .map(Some)
+        .map_err(|e| lost(format!("unreadable answer: {e}")))
+}

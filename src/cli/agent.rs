@@ -1,0 +1,69 @@
+//! `whereabouts-operator agent`: the node agent the DaemonSet runs next to the installer.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+
+use super::run::{parse_duration, signal};
+use crate::agent::{Agent, bind, unbind};
+use crate::config::DEFAULT_AGENT_SOCKET;
+use crate::store::kube::KubeStore;
+
+/// The flags of `agent`, each with a `WHEREABOUTS_<NAME>` environment fallback.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentArgs {
+    /// The Unix socket the plugin connects to (its `agent_socket`), created owner-only.
+    #[arg(long, env = "WHEREABOUTS_SOCKET", default_value = DEFAULT_AGENT_SOCKET, value_name = "PATH")]
+    pub socket: PathBuf,
+    /// The agent's own kubeconfig (default: KUBECONFIG, ~/.kube/config, then the in-cluster
+    /// ServiceAccount, whose rotating token is re-read).
+    #[arg(long, env = "WHEREABOUTS_KUBECONFIG", value_name = "FILE")]
+    pub kubeconfig: Option<String>,
+    /// Namespace of the IP pools (default: the kubeconfig context's namespace, else kube-system).
+    /// Must be the namespace of the plugin kubeconfig this agent serves.
+    #[arg(long, env = "WHEREABOUTS_POOL_NAMESPACE", value_name = "NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// Requests whose `kubernetes.kubeconfig` is this path are run by the agent; others (another
+    /// cluster or namespace) are handed back to the plugin. "" matches configs without one.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_SERVES_KUBECONFIG",
+        default_value = "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig",
+        value_name = "PATH"
+    )]
+    pub serves_kubeconfig: String,
+    /// How long requests in flight may finish after SIGTERM.
+    #[arg(long, env = "WHEREABOUTS_GRACE", default_value = "20s", value_parser = parse_duration)]
+    pub grace: Duration,
+}
+
+pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+    if !args.socket.is_absolute() {
+        bail!("--socket {:?}: must be an absolute path", args.socket);
+    }
+    let (mut config, context_namespace) = crate::kubeconfig::load(args.kubeconfig.as_deref())
+        .await
+        .context("kubernetes client config")?;
+    let namespace = args.pool_namespace.unwrap_or(context_namespace);
+    if let Some(problem) = crate::ipam::naming::object_name_problem(&namespace) {
+        bail!("--pool-namespace {namespace:?}: {problem}");
+    }
+    config.connect_timeout = Some(Duration::from_secs(10));
+    config.read_timeout = Some(Duration::from_secs(30));
+    let client = kube::Client::try_from(config).context("kubernetes client")?;
+    let store = KubeStore::new(client, &namespace);
+    let (listener, own_uid) = bind(&args.socket).await?;
+    tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, "node agent listening");
+    let agent = Arc::new(Agent::new(store, args.serves_kubeconfig, own_uid));
+    let socket = args.socket.clone();
+    let shutdown = async move {
+        signal().await;
+        // New requests go direct at once; those in flight finish.
+        unbind(&socket);
+        tracing::info!("shutting down");
+    };
+    agent.serve(listener, shutdown, args.grace).await;
+    Ok(())
+}

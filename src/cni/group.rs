@@ -1,0 +1,308 @@
+//! Group allocation, for the node agent: the ADDs of one pool that arrive together claim their
+//! addresses together and are recorded with one pool write.
+//!
+//! A plugin process per ADD pays for its own connection, pool read, claims list and pool write,
+//! and concurrent writers of one pool make the API server re-run every losing write. The agent
+//! queues its node's ADDs per pool and runs each queue as a group: one pool read, one claims
+//! list, the reservations created concurrently, one write recording every claimed entry.
+//!
+//! The rules are those of [`allocate`](super::allocate::allocate): claim first (create-or-409 on
+//! the address's reservation), then record, conditional on the pool's resourceVersion; a claim
+//! that may back an entry is never undone. So agents on other nodes, plugins in direct mode and
+//! upstream's plugin can all write the same pool. Anything out of the ordinary (an attachment
+//! that already holds an entry or an unrecorded claim, a group that keeps losing its writes) is
+//! handed to the one-by-one path, which knows how to adopt and reuse.
+
+use std::collections::BTreeSet;
+
+use futures::StreamExt;
+
+use super::allocate::{
+    AllocError, Allocated, Claim, Scope, allocate, claim, ensure_pool, exhausted, jitter,
+    pending_claims, same_owner, unclaim,
+};
+use super::protocol::Attachment;
+use crate::config::RangeConfig;
+use crate::crd::IPAllocation;
+use crate::store::{Pool, PoolWrite, Store, StoreError};
+
+/// Rounds of claim-and-write before the rest of a group goes one by one.
+const GROUP_ROUNDS: u32 = 8;
+/// Reservations created at once: enough to hide the API server's latency, few enough that one
+/// group does not crowd out every other client of the connection pool.
+const CLAIMS_IN_FLIGHT: usize = 32;
+
+/// One ADD's request for an address of one pool.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub range: RangeConfig,
+    pub network_name: Option<String>,
+    pub overlapping: bool,
+    pub who: Attachment,
+}
+
+impl Job {
+    pub fn new(range: &RangeConfig, scope: Scope<'_>, who: &Attachment) -> Self {
+        Job {
+            range: range.clone(),
+            network_name: scope.network_name.map(str::to_owned),
+            overlapping: scope.overlapping,
+            who: who.clone(),
+        }
+    }
+
+    fn scope(&self) -> Scope<'_> {
+        Scope {
+            network_name: self.network_name.as_deref(),
+            overlapping: self.overlapping,
+        }
+    }
+
+    fn ip(&self, offset: u128) -> std::net::IpAddr {
+        self.range
+            .range
+            .addr_at(offset)
+            .expect("picked offsets lie in the range")
+    }
+}
+
+/// Where one job of a group stands.
+enum State {
+    /// Needs an address.
+    Open,
+    /// Claimed `offset` (with the reservation's UID when ranges may overlap), not yet recorded.
+    Held {
+        offset: u128,
+        uid: Option<String>,
+    },
+    /// Goes the one-by-one way.
+    Alone,
+    Finished(Result<Allocated, AllocError>),
+}
+
+struct Slot {
+    job: Job,
+    state: State,
+    conflicts: u32,
+}
+
+impl Slot {
+    fn unsettled(&self) -> bool {
+        matches!(self.state, State::Open | State::Held { .. })
+    }
+}
+
+/// Allocates one address for each job, all from the same pool; the results are in job order.
+pub async fn allocate_group<S: Store>(
+    store: &S,
+    jobs: Vec<Job>,
+) -> Vec<Result<Allocated, AllocError>> {
+    let mut slots: Vec<Slot> = jobs
+        .into_iter()
+        .map(|job| Slot {
+            job,
+            state: State::Open,
+            conflicts: 0,
+        })
+        .collect();
+    if slots.is_empty() {
+        return Vec::new();
+    }
+    if let Err(e) = rounds(store, &mut slots).await {
+        // A claim already made stays: the runtime's retry of this ADD adopts it.
+        for slot in slots.iter_mut().filter(|s| s.unsettled()) {
+            slot.state = State::Finished(Err(AllocError::Store(e.clone())));
+        }
+    }
+    for slot in slots.iter_mut().filter(|s| s.unsettled()) {
+        slot.state = State::Alone;
+    }
+    let alone = futures::future::join_all(
+        slots
+            .iter()
+            .filter(|s| matches!(s.state, State::Alone))
+            .map(|s| allocate(store, &s.job.range, s.job.scope(), &s.job.who)),
+    )
+    .await;
+    let mut alone = alone.into_iter();
+    slots
+        .into_iter()
+        .map(|s| match s.state {
+            State::Finished(result) => result,
+            _ => alone.next().expect("one result per job gone alone"),
+        })
+        .collect()
+}
+
+/// Claims and records until every job is settled or the rounds run out.
+async fn rounds<S: Store>(store: &S, slots: &mut [Slot]) -> Result<(), StoreError> {
+    let range = slots[0].job.range.clone();
+    let mut pool = ensure_pool(store, &range, true).await?;
+    let mut skip = BTreeSet::new();
+    let mut races = 0;
+    for round in 0..GROUP_ROUNDS {
+        settle(store, &pool, slots, &mut skip).await?;
+        if !slots.iter().any(Slot::unsettled) {
+            return Ok(());
+        }
+        let lost = claim_open(store, &range, &pool, slots, &mut skip, races).await?;
+        if lost {
+            races += 1;
+        }
+        let entries: Vec<(u128, IPAllocation)> = slots
+            .iter()
+            .filter_map(|s| match s.state {
+                State::Held { offset, .. } => Some((offset, s.job.who.entry())),
+                _ => None,
+            })
+            .collect();
+        if entries.is_empty() {
+            continue;
+        }
+        match store
+            .add_allocations(&pool.name, &entries, &pool.resource_version)
+            .await?
+        {
+            PoolWrite::Done(fresh) => pool = fresh,
+            PoolWrite::Conflict => {
+                jitter(round).await;
+                pool = ensure_pool(store, &range, false).await?;
+            }
+            PoolWrite::Missing => pool = ensure_pool(store, &range, false).await?,
+        }
+    }
+    settle(store, &pool, slots, &mut skip).await
+}
+
+/// Finishes the jobs whose claims the pool records, re-opens those whose address went to a writer
+/// that takes no reservations, and sends attachments that already hold an entry the one-by-one
+/// way (which reuses it).
+async fn settle<S: Store>(
+    store: &S,
+    pool: &Pool,
+    slots: &mut [Slot],
+    skip: &mut BTreeSet<u128>,
+) -> Result<(), StoreError> {
+    for slot in slots.iter_mut() {
+        match &slot.state {
+            State::Held { offset, uid } => {
+                let offset = *offset;
+                match pool.allocations.get(&offset) {
+                    Some(e) if same_owner(e, &slot.job.who.entry()) => {
+                        slot.state = State::Finished(Ok(Allocated {
+                            ip: slot.job.ip(offset),
+                            conflicts: slot.conflicts,
+                        }));
+                    }
+                    Some(_) => {
+                        if let Some(uid) = uid {
+                            let (network, ip) =
+                                (slot.job.network_name.as_deref(), slot.job.ip(offset));
+                            unclaim(store, network, ip, uid).await?;
+                        }
+                        skip.insert(offset);
+                        slot.conflicts += 1;
+                        slot.state = State::Open;
+                    }
+                    None => {}
+                }
+            }
+            State::Open => {
+                if pool
+                    .entry_of(&slot.job.who.podref, &slot.job.who.ifname)
+                    .is_some()
+                {
+                    slot.state = State::Alone;
+                }
+            }
+            State::Alone | State::Finished(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Picks an address for every open job (lowest free first, each pick taken before the next) and
+/// claims them all at once. True when some claim was lost to another claimant.
+async fn claim_open<S: Store>(
+    store: &S,
+    range: &RangeConfig,
+    pool: &Pool,
+    slots: &mut [Slot],
+    skip: &mut BTreeSet<u128>,
+    races: u32,
+) -> Result<bool, StoreError> {
+    if !slots.iter().any(|s| matches!(s.state, State::Open)) {
+        return Ok(false);
+    }
+    let pending = if slots.iter().any(|s| s.job.overlapping) {
+        pending_claims(store, range, pool, None).await?
+    } else {
+        Vec::new()
+    };
+    let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
+    taken.extend(skip.iter());
+    taken.extend(pending.iter().map(|p| p.offset));
+    for slot in slots.iter() {
+        if let State::Held { offset, .. } = slot.state {
+            taken.insert(offset);
+        }
+    }
+    let mut picked = Vec::new();
+    for (i, slot) in slots.iter_mut().enumerate() {
+        if !matches!(slot.state, State::Open) {
+            continue;
+        }
+        // An unrecorded claim of an earlier attempt of this attachment: the one-by-one path
+        // adopts it.
+        if pending.iter().any(|p| p.is_of(&slot.job.who)) {
+            slot.state = State::Alone;
+            continue;
+        }
+        match slot
+            .job
+            .range
+            .range
+            .pick(&taken, races, |n| fastrand::usize(..n))
+        {
+            Some(offset) => {
+                taken.insert(offset);
+                picked.push((i, offset));
+            }
+            None => slot.state = State::Finished(Err(exhausted(&slot.job.range))),
+        }
+    }
+    let claims: Vec<(usize, u128, Result<Claim, StoreError>)> =
+        futures::stream::iter(picked.into_iter().map(|(i, offset)| {
+            let job = &slots[i].job;
+            async move {
+                if !job.overlapping {
+                    // No reservations: the pool entry itself is the claim.
+                    return (i, offset, Ok(Claim::Ours(String::new())));
+                }
+                let (network, ip) = (job.network_name.as_deref(), job.ip(offset));
+                let claimed = claim(store, &job.range.pool_name, network, ip, &job.who, false);
+                (i, offset, claimed.await)
+            }
+        }))
+        .buffer_unordered(CLAIMS_IN_FLIGHT)
+        .collect()
+        .await;
+    let mut lost = false;
+    for (i, offset, claimed) in claims {
+        let slot = &mut slots[i];
+        slot.state = match claimed {
+            Ok(Claim::Ours(uid)) => State::Held {
+                offset,
+                uid: slot.job.overlapping.then_some(uid),
+            },
+            Ok(_) => {
+                lost = true;
+                skip.insert(offset);
+                slot.conflicts += 1;
+                State::Open
+            }
+            Err(e) => State::Finished(Err(AllocError::Store(e))),
+        };
+    }
+    Ok(lost)
+}
