@@ -48,6 +48,15 @@ IMPLS = {
         "env": {},
         "log_level": "verbose",
     },
+    # The same plugin handing its requests to the node agent (whereabouts-operator agent), which
+    # runs for the scenario on a socket of its own.
+    "ours-agent": {
+        "label": "ours, node agent",
+        "binary": ROOT / "target" / "release" / "whereabouts",
+        "agent": ROOT / "target" / "release" / "whereabouts-operator",
+        "env": {},
+        "log_level": "verbose",
+    },
     "upstream": {
         "label": "upstream",
         "binary": BENCH / "bin" / "whereabouts-upstream",
@@ -63,6 +72,7 @@ V4 = "10.30.0.0/24"
 V6 = "fd00:30::/64"
 
 LIVE = set()  # plugin processes started and not yet reaped
+AGENT = {}  # "pid" of the running scenario's node agent, if any
 CONFLICTS_RE = re.compile(r"conflicts=(\d+)")
 UPSTREAM_RETRY_RE = re.compile(r"IPAM error updating pool \(attempt")
 UPSTREAM_LEADER_TIMEOUT_RE = re.compile(r"time limit exceeded while waiting to become leader")
@@ -115,6 +125,9 @@ class Scenario:
         self.logfile = self.dir / "plugin.log"
         self.netconf = self.dir / "netconf.json"
         self.ranges = ranges
+        self.socket = self.dir / "agent.sock"
+        self.agent_log = self.dir / "agent.log"
+        self.agent = None
 
     def setup(self):
         self.kube.run("create", "namespace", self.ns)
@@ -128,6 +141,11 @@ class Scenario:
             "log_level": self.impl["log_level"],
             "log_file": str(self.logfile),
         }
+        if "agent" in self.impl:
+            ipam["agent_socket"] = str(self.socket)
+            self.start_agent()
+        elif self.impl_key == "ours":
+            ipam["agent_socket"] = ""  # never an agent at the default path
         if len(self.ranges) == 1:
             ipam["range"] = self.ranges[0]
         else:
@@ -135,7 +153,35 @@ class Scenario:
         conf = {"cniVersion": "1.0.0", "name": "bench", "type": "bridge", "ipam": ipam}
         self.netconf.write_text(json.dumps(conf))
 
+    def start_agent(self):
+        log_file = open(self.agent_log, "wb")
+        self.agent = subprocess.Popen(
+            [str(self.impl["agent"]), "agent", "--socket", str(self.socket),
+             "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig)],
+            stdout=log_file, stderr=log_file,
+            env={**os.environ, "RUST_LOG": "info,whereabouts::agent=debug"})
+        log_file.close()
+        AGENT["pid"] = self.agent.pid
+        deadline = time.monotonic() + 10
+        while not self.socket.exists():
+            if self.agent.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node agent did not start: {self.agent_log.read_text()[-2000:]}")
+            time.sleep(0.02)
+
+    def stop_agent(self):
+        if self.agent is not None:
+            self.agent.terminate()
+            self.agent.wait(timeout=30)
+            AGENT.pop("pid", None)
+            self.agent = None
+
+    def agent_served(self):
+        if not self.agent_log.exists():
+            return None
+        return self.agent_log.read_text(errors="replace").count(" served ")
+
     def teardown(self):
+        self.stop_agent()
         r = self.kube.run("delete", "namespace", self.ns, "--wait=true", "--timeout=120s",
                           check=False, timeout=180)
         if r.returncode != 0:
@@ -253,7 +299,8 @@ class Scenario:
     def retries(self):
         """Lost races from the plugin log: ours logs conflicts=N per address,
         upstream one error line per failed pool update."""
-        text = self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+        text = "".join(f.read_text(errors="replace") for f in (self.logfile, self.agent_log)
+                       if f.exists())
         if self.impl_key == "upstream":
             return {
                 "retries": len(UPSTREAM_RETRY_RE.findall(text)),
@@ -438,6 +485,8 @@ def cpu_snapshot():
     snap = {name: proc_cpu(pid) for name, pid in CLUSTER_PIDS.items()}
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     snap["plugin processes"] = ru.ru_utime + ru.ru_stime
+    if "pid" in AGENT:  # the node agent works for the plugins: its CPU counts as theirs
+        snap["plugin processes"] += proc_cpu(AGENT["pid"]) or 0.0
     snap["machine"] = machine_busy()
     return snap
 
@@ -504,6 +553,7 @@ def run_scenario(kube, impl_key, kind, n, workroot, timeout, quiet):
             "others_busy_cores_before": busy_before,
             **check,
             **sc.retries(),
+            "agent_served": sc.agent_served(),
             "errors": summarize_errors(results),
             "log_errors": sc.log_errors(),
         }
@@ -514,7 +564,8 @@ def run_scenario(kube, impl_key, kind, n, workroot, timeout, quiet):
             f"wall={rec['wall_s']:.2f}s p50={rec['latency_ms']['p50']:.0f}ms "
             f"p99={rec['latency_ms']['p99']:.0f}ms retries={rec['retries']} "
             f"api={rec['api_requests']} rejected={rec['api_rejected']} 5xx={rec['api_5xx']} "
-            f"server-cas-retries={rec['server_cas_retries']} cpu={cpu}")
+            f"server-cas-retries={rec['server_cas_retries']} cpu={cpu}"
+            + (f" agent-served={rec['agent_served']}" if rec["agent_served"] is not None else ""))
         for e in rec["errors"]:
             log(f"  error x{e['count']}: {e['example']}")
         for line in rec["log_errors"]:
@@ -620,9 +671,13 @@ def markdown(records):
     by = {}
     for r in rows:
         by.setdefault((r["scenario"], r["n"]), {})[r["impl"]] = r
-    lines += ["", "| scenario | N | metric | ours | upstream "
-                  "| upstream / ours | failed (ours / upstream) |",
-              "|---|---:|---|---:|---:|---:|---|"]
+    present = [k for k in IMPLS if any(r["impl"] == k for r in rows)]
+    ours = [k for k in present if k != "upstream"]
+    lines += ["", "| scenario | N | metric | " + " | ".join(IMPLS[k]["label"] for k in present)
+              + "".join(f" | upstream / {IMPLS[k]['label']}" for k in ours if "upstream" in present)
+              + " | failed (" + " / ".join(IMPLS[k]["label"] for k in present) + ") |",
+              "|---|---:|---|" + "---:|" * len(present)
+              + "---:|" * (len(ours) if "upstream" in present else 0) + "---|"]
     for (kind, n), d in by.items():
         fld, metric, unit = (("latency_ms_p50", "p50 ADD latency", "ms") if kind == "seq"
                              else ("wall_s_median", "wall time", "s"))
@@ -635,10 +690,10 @@ def markdown(records):
                 return f"{d[a][fld] / d[b][fld]:.1f}x"
             return "–"
 
-        failed = " / ".join(str(d[k]["failures"]) if k in d else "–"
-                            for k in ("ours", "upstream"))
-        lines.append(f"| {scenario_title(kind)} | {n} | {metric} | {cell('ours')} "
-                     f"| {cell('upstream')} | {ratio('upstream', 'ours')} | {failed} |")
+        failed = " / ".join(str(d[k]["failures"]) if k in d else "–" for k in present)
+        ratios = "".join(f" | {ratio('upstream', k)}" for k in ours if "upstream" in present)
+        lines.append(f"| {scenario_title(kind)} | {n} | {metric} | "
+                     + " | ".join(cell(k) for k in present) + f"{ratios} | {failed} |")
     return "\n".join(lines)
 
 
@@ -757,6 +812,8 @@ def main():
     ap.add_argument("--impls", default="ours,upstream")
     ap.add_argument("--ours", help="path of our binary (default target/release/whereabouts)")
     ap.add_argument("--upstream", help="path of upstream's binary (default bench/bin/whereabouts-upstream)")
+    ap.add_argument("--operator", help="path of our operator binary, for ours-agent "
+                                       "(default target/release/whereabouts-operator)")
     ap.add_argument("--seq", type=int, default=100, help="sequential ADDs (default 100; 0 skips)")
     ap.add_argument("--concurrency", default="50,100,200")
     ap.add_argument("--scenarios", default="seq,conc-v4,conc-ds")
@@ -782,6 +839,9 @@ def main():
 
     if args.ours:
         IMPLS["ours"]["binary"] = Path(args.ours).resolve()
+        IMPLS["ours-agent"]["binary"] = Path(args.ours).resolve()
+    if args.operator:
+        IMPLS["ours-agent"]["agent"] = Path(args.operator).resolve()
     if args.upstream:
         IMPLS["upstream"]["binary"] = Path(args.upstream).resolve()
     impls = [s for s in args.impls.split(",") if s]

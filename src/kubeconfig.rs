@@ -55,3 +55,40 @@ pub fn context_namespace(kubeconfig: &Kubeconfig) -> String {
         .filter(|n| !n.is_empty())
         .unwrap_or_else(|| DEFAULT_POOL_NAMESPACE.to_owned())
 }
+
+/// A client that speaks HTTP/2 when the API server offers it (it does): every request of the
+/// process shares one TLS connection. kube-rs's own client is HTTP/1.1 only and opens a
+/// connection per request in flight, which for the node agent means tens of handshakes per burst
+/// and tens of connections per node at the API server. Same layers as kube-rs's client: base
+/// URI, authentication (refreshing tokens), extra headers.
+pub fn http2_client(config: Config) -> Result<kube::Client, kube::Error> {
+    use hyper_util::rt::{TokioExecutor, TokioTimer};
+    use kube::client::ConfigExt as _;
+    if config.tls_server_name.is_some() || config.proxy_url.is_some() {
+        // Neither is wired here; kube-rs's client handles both.
+        return kube::Client::try_from(config);
+    }
+    let tls = config.rustls_client_config()?;
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(config.connect_timeout);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_all_versions()
+        .wrap_connector(http);
+    let client: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            // Finds a dead connection within a minute instead of at the next request's timeout.
+            .http2_keep_alive_interval(std::time::Duration::from_secs(30))
+            .http2_keep_alive_timeout(std::time::Duration::from_secs(20))
+            .build(https);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(client);
+    Ok(kube::Client::new(service, config.default_namespace))
+}

@@ -82,8 +82,15 @@ impl<S: Store + 'static> Agent<S> {
     }
 
     async fn connection(&self, mut stream: UnixStream) {
+        // The request is read before any answer, even one that does not run it: closing a socket
+        // with unread data resets it, and the caller would lose the answer.
+        let request = read_request(&mut stream).await;
         let reply = match self.in_flight.clone().try_acquire_owned() {
-            Ok(_permit) => self.answer(&mut stream).await,
+            Ok(_permit) => match (self.caller(&stream), request) {
+                (Some(direct), _) => direct,
+                (None, Ok(request)) => self.run(request).await,
+                (None, Err(e)) => e.into(),
+            },
             Err(_) => AgentReply::Direct {
                 reason: "agent busy".into(),
             },
@@ -96,25 +103,18 @@ impl<S: Store + 'static> Agent<S> {
         let _ = stream.shutdown().await;
     }
 
-    async fn answer(&self, stream: &mut UnixStream) -> AgentReply {
+    /// `Some(answer)` for a caller this agent does not serve: only root (the container runtime)
+    /// and the agent's own user may have requests run with the agent's credentials.
+    fn caller(&self, stream: &UnixStream) -> Option<AgentReply> {
         match stream.peer_cred() {
-            Ok(cred) if cred.uid() == 0 || cred.uid() == self.own_uid => {}
-            Ok(cred) => {
-                return AgentReply::Direct {
-                    reason: format!("the agent serves root only, not uid {}", cred.uid()),
-                };
-            }
-            Err(e) => {
-                return AgentReply::Direct {
-                    reason: format!("peer credentials: {e}"),
-                };
-            }
+            Ok(cred) if cred.uid() == 0 || cred.uid() == self.own_uid => None,
+            Ok(cred) => Some(AgentReply::Direct {
+                reason: format!("the agent serves root only, not uid {}", cred.uid()),
+            }),
+            Err(e) => Some(AgentReply::Direct {
+                reason: format!("peer credentials: {e}"),
+            }),
         }
-        let request = match read_request(stream).await {
-            Ok(r) => r,
-            Err(e) => return e.into(),
-        };
-        self.run(request).await
     }
 
     /// Validates and runs one request, exactly as the plugin would.
@@ -170,8 +170,16 @@ fn load(request: AgentRequest) -> Result<cni::Request, AgentReply> {
 async fn read_request(stream: &mut UnixStream) -> Result<AgentRequest, CniError> {
     let mut buf = Vec::new();
     let limit = MAX_REQUEST_BYTES as u64 + 1;
-    match tokio::time::timeout(READ_TIMEOUT, stream.take(limit).read_to_end(&mut buf)).await {
-        Ok(Ok(_)) => {}
+    let read = async {
+        stream.take(limit).read_to_end(&mut buf).await?;
+        if buf.len() > MAX_REQUEST_BYTES {
+            // Drain (bounded) what else was sent, so that the answer is not lost to a reset.
+            tokio::io::copy(&mut stream.take(16 * limit), &mut tokio::io::sink()).await?;
+        }
+        Ok::<_, io::Error>(())
+    };
+    match tokio::time::timeout(READ_TIMEOUT, read).await {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => return Err(CniError::new(code::IO_FAILURE, format!("agent read: {e}"))),
         Err(_) => {
             return Err(CniError::new(

@@ -51,8 +51,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         bail!("--pool-namespace {namespace:?}: {problem}");
     }
     config.connect_timeout = Some(Duration::from_secs(10));
-    config.read_timeout = Some(Duration::from_secs(30));
-    let client = kube::Client::try_from(config).context("kubernetes client")?;
+    let client = crate::kubeconfig::http2_client(config).context("kubernetes client")?;
     let store = KubeStore::new(client, &namespace);
     let (listener, own_uid) = bind(&args.socket).await?;
     tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, "node agent listening");

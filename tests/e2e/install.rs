@@ -89,6 +89,29 @@ fn config_default_renders_and_the_server_accepts_every_object() {
         ds["spec"]["template"]["spec"]["serviceAccountName"],
         "whereabouts-node"
     );
+    // The node agent binds its socket where the plugin looks by default.
+    let pod = &ds["spec"]["template"]["spec"];
+    let agent = pod["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "agent")
+        .expect("an agent container");
+    assert_eq!(agent["args"][0], "agent");
+    assert!(
+        agent["args"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|a| a.as_str() == Some("--socket=/run/whereabouts/agent.sock"))
+    );
+    assert!(
+        pod["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|v| v["hostPath"]["path"] == "/run/whereabouts")
+    );
 
     // The server-side dry run. Objects in whereabouts-system need the namespace to exist (a dry
     // run does not create it), so it is created for real; nothing else is persisted.
@@ -306,6 +329,28 @@ fn install_cni_into_a_temporary_host_root() {
     );
     assert!(ns.allocations("10.77.0.0-24").is_empty());
     assert!(ns.reservations().is_empty());
+
+    // The node agent, with the same kubeconfig and rights, serving the same ADD and DEL.
+    let kubeconfig_path = kubeconfig.to_str().unwrap();
+    let agent = crate::agent::Agent::start_with(&kubeconfig, &dir, kubeconfig_path);
+    std::fs::write(
+        &test_flat,
+        json!({"kubernetes": {"kubeconfig": kubeconfig}, "agent_socket": agent.socket}).to_string(),
+    )
+    .unwrap();
+    let result = crate::harness::Cni::from(add.spawn(bin.clone()).wait_with_output().unwrap());
+    assert_eq!(result.addresses(), vec!["10.77.0.1/24".to_owned()]);
+    assert_eq!(ns.allocations("10.77.0.0-24").len(), 1);
+    let out = del.spawn(bin.clone()).wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(ns.allocations("10.77.0.0-24").is_empty());
+    assert!(ns.reservations().is_empty());
+    assert_eq!(agent.served(), 2, "the agent ran both");
+    drop(agent);
 
     // Token rotation, followed by the long-running installer.
     let mut child = install_cni(&host, &sa, &["--interval=1s"])

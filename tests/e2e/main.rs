@@ -1,6 +1,7 @@
 //! End-to-end tier: the real binaries against the real local control plane (e2e/cluster.sh).
 //! Run with `make test` (or `cargo test --test e2e`); every test makes its own namespace.
 
+mod agent;
 mod cni;
 mod harness;
 mod install;

@@ -1,0 +1,408 @@
+//! The node agent (`whereabouts-operator agent`) and the plugin handing it requests, against the
+//! real API server.
+
+use std::collections::BTreeSet;
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::harness::{Cni, Ns};
+
+/// The kubeconfig path the plugin is configured with in these tests: it does not exist, so an
+/// ADD that succeeds was run by the agent (which has its own client), not by the plugin.
+const SERVED: &str = "/nonexistent/whereabouts-e2e/agent.kubeconfig";
+
+pub struct Agent {
+    pub child: Child,
+    pub socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Agent {
+    /// Starts an agent for `ns` (its own client on the namespace's kubeconfig) serving plugin
+    /// configs whose kubeconfig is `serves`.
+    fn start(ns: &Ns, dir: &Path, serves: &str) -> Agent {
+        Agent::start_with(&ns.kubeconfig, dir, serves)
+    }
+
+    /// Starts an agent whose own client uses `kubeconfig`.
+    pub fn start_with(kubeconfig: &Path, dir: &Path, serves: &str) -> Agent {
+        let socket = dir.join("agent.sock");
+        let log = dir.join("agent.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
+            .arg("agent")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--serves-kubeconfig")
+            .arg(serves)
+            .env("RUST_LOG", "info,whereabouts=debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start the agent");
+        let mut agent = Agent { child, socket, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Not the socket file: a killed agent's may still be there until this one replaces it.
+        while !agent.log().contains("node agent listening") {
+            if let Some(status) = agent.child.try_wait().unwrap() {
+                panic!("agent exited with {status}: {}", agent.log());
+            }
+            assert!(Instant::now() < deadline, "no socket: {}", agent.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        agent
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The agent's established TCP connections (to the API server), from `ss`.
+    fn connections(&self) -> usize {
+        let out = Command::new("ss")
+            .args(["-Htnp", "state", "established"])
+            .output()
+            .expect("ss (iproute2)");
+        let pid = format!("pid={},", self.child.id());
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains(&pid))
+            .count()
+    }
+
+    pub fn served(&self) -> usize {
+        self.log().matches(" served ").count()
+    }
+
+    /// One raw request on the socket, the answer as JSON.
+    fn raw(&self, body: &[u8]) -> Value {
+        let mut s = UnixStream::connect(&self.socket).unwrap();
+        // The agent stops reading an oversized request and answers: the rest may not go out.
+        if s.write_all(body).is_ok() {
+            s.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A network config whose flat file names the agent's socket and `kubeconfig`.
+fn netconf(ns: &Ns, dir: &Path, ipam: Value, kubeconfig: &str, socket: &Path) -> Value {
+    let flat = dir.join("whereabouts.conf");
+    let text = json!({"kubernetes": {"kubeconfig": kubeconfig}, "agent_socket": socket});
+    std::fs::write(&flat, text.to_string()).unwrap();
+    let mut conf = ns.netconf("1.0.0", ipam);
+    conf["ipam"]["configuration_path"] = flat.to_str().unwrap().into();
+    conf
+}
+
+/// ADD processes for pods pod<from>..pod<to> at once; returns each one's outcome in order.
+fn spawn_all(ns: &Ns, command: &str, conf: &Value, pods: std::ops::Range<usize>) -> Vec<Cni> {
+    let children: Vec<_> = pods
+        .map(|i| ns.cni_spawn(command, conf, &format!("c{i}"), &format!("pod{i}")))
+        .collect();
+    children
+        .into_iter()
+        .map(|c| Cni::from(c.wait_with_output().unwrap()))
+        .collect()
+}
+
+#[test]
+fn the_agent_serves_concurrent_adds_dual_stack_and_dels() {
+    let ns = Ns::new("agent");
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(&ns, dir.path(), SERVED);
+    let conf = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.40.0.0/24"}),
+        SERVED,
+        &agent.socket,
+    );
+    let mut seen = BTreeSet::new();
+    for r in spawn_all(&ns, "ADD", &conf, 0..100) {
+        assert!(seen.insert(r.addresses()[0].clone()), "duplicate address");
+    }
+    assert_eq!(seen.len(), 100);
+    assert_eq!(ns.allocations("10.40.0.0-24").len(), 100);
+    assert_eq!(ns.reservations().len(), 100);
+    assert_eq!(agent.served(), 100, "{}", agent.log());
+    // HTTP/2: the whole burst went over one connection.
+    assert_eq!(agent.connections(), 1, "connections of the agent");
+    assert!(agent.log().contains("group allocated"), "{}", agent.log());
+
+    // The design discussion's dual-stack config, through the agent: the same addresses as direct.
+    let dual = netconf(
+        &ns,
+        dir.path(),
+        json!({"ipRanges": [{"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"}, {"range": "2001::1/64", "range_start": "2001::16", "range_end": "2001::64"}]}),
+        SERVED,
+        &agent.socket,
+    );
+    let r = ns.cni("ADD", &dual, "d1", "net1", "dual1", "u1");
+    assert_eq!(r.addresses(), ["10.10.10.20/24", "2001::16/64"]);
+    let again = ns.cni("ADD", &dual, "d1", "net1", "dual1", "u1");
+    assert_eq!(
+        again.addresses(),
+        r.addresses(),
+        "idempotent through the agent"
+    );
+    assert!(ns.cni("DEL", &dual, "d1", "net1", "dual1", "u1").ok);
+    assert!(ns.allocations("2001---64").is_empty());
+
+    // Invalid config is refused with the same CNI error as without an agent.
+    let bad = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.40.0.0/24", "range_start": "10.99.0.1"}),
+        SERVED,
+        &agent.socket,
+    );
+    let r = ns.cni("ADD", &bad, "b1", "net1", "bad1", "u1");
+    assert!(!r.ok);
+    assert_eq!(r.stdout["code"], 7, "{}", r.stdout);
+    assert!(
+        r.stdout["msg"].as_str().unwrap().contains("10.99.0.1"),
+        "{}",
+        r.stdout
+    );
+
+    for r in spawn_all(&ns, "DEL", &conf, 0..100) {
+        assert!(r.ok, "{:?}", r);
+    }
+    assert!(ns.allocations("10.40.0.0-24").is_empty());
+    assert!(ns.reservations().is_empty());
+}
+
+/// Without an agent to take it (none listening, one killed, one serving another kubeconfig), the
+/// plugin runs the request itself.
+#[test]
+fn without_an_agent_the_plugin_runs_the_request_itself() {
+    let ns = Ns::new("agentless");
+    let dir = tempfile::tempdir().unwrap();
+    let own = ns.kubeconfig.to_str().unwrap().to_owned();
+    let socket = dir.path().join("agent.sock");
+    let mut ipam = json!({"range": "10.41.0.0/24", "log_level": "debug"});
+    let conf = netconf(&ns, dir.path(), ipam.clone(), &own, &socket);
+    assert_eq!(
+        ns.cni("ADD", &conf, "c0", "net1", "pod0", "u0").addresses(),
+        ["10.41.0.1/24"],
+        "no socket at all"
+    );
+
+    // An agent serving another kubeconfig hands the request back.
+    let mut agent = Agent::start(&ns, dir.path(), SERVED);
+    let r = ns.cni("ADD", &conf, "c1", "net1", "pod1", "u1");
+    assert_eq!(r.addresses(), ["10.41.0.2/24"]);
+    assert!(r.stderr.contains("handed the request back"), "{}", r.stderr);
+    assert!(r.stderr.contains("is not the one this agent serves"));
+    assert_eq!(agent.served(), 0);
+
+    // A killed agent leaves its socket file behind; nobody answers it.
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    assert!(socket.exists());
+    let r = ns.cni("ADD", &conf, "c2", "net1", "pod2", "u2");
+    assert_eq!(r.addresses(), ["10.41.0.3/24"], "{}", r.stderr);
+
+    // agent_socket "" turns the agent off altogether.
+    ipam["agent_socket"] = "".into();
+    let mut off = ns.netconf("1.0.0", ipam);
+    off["ipam"]["configuration_path"] = ns.flat_file().to_str().unwrap().into();
+    let r = ns.cni("ADD", &off, "c3", "net1", "pod3", "u3");
+    assert_eq!(r.addresses(), ["10.41.0.4/24"]);
+    assert!(!r.stderr.contains("node agent"), "{}", r.stderr);
+}
+
+/// Killing the agent while ADDs are in its hands: the plugins cut off report a retryable error,
+/// and their retries (the runtime's, here run after the agent is gone) finish with every pod
+/// holding exactly one address, none twice, no claim left over. Two kills: one at a random point
+/// of a burst of 100 (mid-group: claims made, pool not yet written, or written and not answered),
+/// and one of a stopped agent holding 20 requests it has not started, so that the test always
+/// cuts off some.
+#[test]
+fn an_agent_killed_mid_burst_leaves_no_duplicate() {
+    let ns = Ns::new("agentkill");
+    let dir = tempfile::tempdir().unwrap();
+    let own = ns.kubeconfig.to_str().unwrap().to_owned();
+    let mut agent = Agent::start(&ns, dir.path(), &own);
+    let conf = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.42.0.0/24"}),
+        &own,
+        &agent.socket,
+    );
+    let mut children: Vec<_> = (0..100)
+        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
+        .collect();
+    // Right after the first answer, while the rest are queued or in a group.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.served() == 0 {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+
+    let mut stopped = Agent::start(&ns, dir.path(), &own);
+    let pid = stopped.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    children
+        .extend((60..80).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))));
+    std::thread::sleep(Duration::from_millis(500));
+    stopped.child.kill().unwrap();
+    stopped.child.wait().unwrap();
+
+    let mut failed = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let r = Cni::from(c.wait_with_output().unwrap());
+        if !r.ok {
+            assert_eq!(r.stdout["code"], 11, "retryable: {}", r.stdout);
+            failed.push(i);
+        }
+    }
+    assert!(
+        failed.len() >= 20,
+        "the stopped agent's 20 ADDs failed: {failed:?}"
+    );
+    // The runtime retries every failed ADD (the agent is gone: the plugin runs them itself).
+    for i in &failed {
+        let r = ns.cni(
+            "ADD",
+            &conf,
+            &format!("c{i}"),
+            "net1",
+            &format!("pod{i}"),
+            &format!("uid-pod{i}"),
+        );
+        assert!(r.ok, "{:?}", r);
+    }
+    let pool = ns.allocations("10.42.0.0-24");
+    let pods: BTreeSet<String> = pool.values().map(|e| e["podref"].to_string()).collect();
+    assert_eq!(pool.len(), 120, "one entry per pod: {pool:?}");
+    assert_eq!(pods.len(), 120);
+    let reservations = ns.reservations();
+    assert_eq!(
+        reservations.len(),
+        120,
+        "no claim left over: {reservations:?}"
+    );
+    eprintln!("{} of 120 ADDs were cut off by the kills", failed.len());
+}
+
+/// Bad input on the socket gets a CNI error naming the problem; callers other than root are
+/// handed back to run their request themselves; the agent keeps serving.
+#[test]
+fn the_agent_refuses_bad_requests_and_non_root_callers() {
+    let ns = Ns::new("agentbad");
+    // A directory others may enter, so that a non-root caller can reach the socket at all.
+    let dir = tempfile::Builder::new()
+        .prefix("wa-agent-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let own = ns.kubeconfig.to_str().unwrap().to_owned();
+    let agent = Agent::start(&ns, dir.path(), &own);
+    let mode = std::fs::metadata(&agent.socket).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+        0o600,
+        "owner-only socket"
+    );
+
+    let r = agent.raw(b"{not json");
+    assert_eq!(r["failed"]["code"], 6, "{r}");
+    assert!(
+        r["failed"]["msg"]
+            .as_str()
+            .unwrap()
+            .starts_with("agent request: ")
+    );
+    let r = agent.raw(br#"{"env":{},"stdin":"","flatFile":null,"extra":1}"#);
+    assert!(
+        r["failed"]["msg"]
+            .as_str()
+            .unwrap()
+            .contains("unknown field `extra`"),
+        "{r}"
+    );
+    let r = agent.raw(&vec![b' '; 2 << 20]);
+    assert_eq!(r["failed"]["code"], 6, "{r}");
+    assert!(
+        r["failed"]["msg"].as_str().unwrap().contains("larger than"),
+        "{r}"
+    );
+    let r = agent.raw(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{}","flatFile":null}"#);
+    assert!(r["failed"]["code"].as_u64().is_some(), "{r}");
+
+    // A caller that is not root (uid 65534) on a socket opened up for it: handed back. (The
+    // system Python: a per-user installation is not readable by that user.)
+    std::fs::set_permissions(
+        &agent.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    let script = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); \
+                  s.sendall(b'{\"env\":{},\"stdin\":\"\",\"flatFile\":null}'); s.shutdown(socket.SHUT_WR); \
+                  print(s.makefile().read())";
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            script,
+        ])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_str(text.trim()).unwrap();
+    assert_eq!(
+        r,
+        json!({"direct": {"reason": "the agent serves root only, not uid 65534"}})
+    );
+
+    // Still serving.
+    let conf = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.43.0.0/24"}),
+        &own,
+        &agent.socket,
+    );
+    let r = ns.cni("ADD", &conf, "c1", "net1", "pod1", "u1");
+    assert_eq!(r.addresses(), ["10.43.0.1/24"]);
+    assert_eq!(agent.served(), 1, "{}", agent.log());
+}
