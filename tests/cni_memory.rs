@@ -731,3 +731,21 @@ async fn batched_dual_stack_adds_get_one_address_per_range() {
         assert_eq!(p.allocations.len(), 40, "{pool}");
     }
 }
+
+/// Two ADDs of the same pod interface in one group (a runtime retry while the first is queued):
+/// one address, one entry.
+#[tokio::test]
+async fn a_group_gives_a_repeated_attachment_one_address() {
+    let store = MemoryStore::new();
+    let range = range_of(json!({"range": "10.0.0.0/24"}));
+    let jobs = vec![job(&range, 0), job(&range, 1), job(&range, 0)];
+    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let ips: Vec<String> = results
+        .into_iter()
+        .map(|r| r.unwrap().ip.to_string())
+        .collect();
+    assert_eq!(ips, ["10.0.0.1", "10.0.0.2", "10.0.0.1"]);
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len(), 2);
+    assert_eq!(store.reservation_names().len(), 2);
+}

@@ -13,7 +13,7 @@
 //! that already holds an entry or an unrecorded claim, a group that keeps losing its writes) is
 //! handed to the one-by-one path, which knows how to adopt and reuse.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use futures::StreamExt;
 
@@ -247,6 +247,13 @@ async fn claim_open<S: Store>(
             taken.insert(offset);
         }
     }
+    // One address per pod interface: a second ADD of the same interface in the group (a retry
+    // while the first is still queued) goes after the group, and finds the first one's entry.
+    let mut interfaces: HashSet<(String, String)> = slots
+        .iter()
+        .filter(|s| matches!(s.state, State::Held { .. }))
+        .map(|s| (s.job.who.podref.clone(), s.job.who.ifname.clone()))
+        .collect();
     let mut picked = Vec::new();
     for (i, slot) in slots.iter_mut().enumerate() {
         if !matches!(slot.state, State::Open) {
@@ -254,7 +261,9 @@ async fn claim_open<S: Store>(
         }
         // An unrecorded claim of an earlier attempt of this attachment: the one-by-one path
         // adopts it.
-        if pending.iter().any(|p| p.is_of(&slot.job.who)) {
+        if pending.iter().any(|p| p.is_of(&slot.job.who))
+            || !interfaces.insert((slot.job.who.podref.clone(), slot.job.who.ifname.clone()))
+        {
             slot.state = State::Alone;
             continue;
         }
