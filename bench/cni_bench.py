@@ -57,6 +57,13 @@ IMPLS = {
         "env": {},
         "log_level": "verbose",
     },
+    # An earlier build of ours (--baseline), run exactly like "ours", to check for regressions.
+    "ours-baseline": {
+        "label": "ours, baseline",
+        "binary": None,
+        "env": {},
+        "log_level": "verbose",
+    },
     "upstream": {
         "label": "upstream",
         "binary": BENCH / "bin" / "whereabouts-upstream",
@@ -812,6 +819,8 @@ def main():
     ap.add_argument("--impls", default="ours,upstream")
     ap.add_argument("--ours", help="path of our binary (default target/release/whereabouts)")
     ap.add_argument("--upstream", help="path of upstream's binary (default bench/bin/whereabouts-upstream)")
+    ap.add_argument("--baseline", metavar="PATH[=LABEL]",
+                    help="an earlier build of our plugin, run as implementation ours-baseline")
     ap.add_argument("--operator", help="path of our operator binary, for ours-agent "
                                        "(default target/release/whereabouts-operator)")
     ap.add_argument("--seq", type=int, default=100, help="sequential ADDs (default 100; 0 skips)")
@@ -840,6 +849,11 @@ def main():
     if args.ours:
         IMPLS["ours"]["binary"] = Path(args.ours).resolve()
         IMPLS["ours-agent"]["binary"] = Path(args.ours).resolve()
+    if args.baseline:
+        path, _, label = args.baseline.partition("=")
+        IMPLS["ours-baseline"]["binary"] = Path(path).resolve()
+        if label:
+            IMPLS["ours-baseline"]["label"] = label
     if args.operator:
         IMPLS["ours-agent"]["agent"] = Path(args.operator).resolve()
     if args.upstream:
@@ -848,7 +862,7 @@ def main():
     for k in impls:
         if k not in IMPLS:
             sys.exit(f"unknown implementation {k!r}; known: {', '.join(IMPLS)}")
-        if not IMPLS[k]["binary"].exists():
+        if IMPLS[k]["binary"] is None or not IMPLS[k]["binary"].exists():
             sys.exit(f"{k}: binary {IMPLS[k]['binary']} not found (see bench/README.md)")
     kinds = [s for s in args.scenarios.split(",") if s]
     ns_conc = [int(x) for x in args.concurrency.split(",") if x]

@@ -72,6 +72,9 @@ pub fn http2_client(config: Config) -> Result<kube::Client, kube::Error> {
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     http.set_connect_timeout(config.connect_timeout);
+    // HTTP/2 writes a request as several small frames: with Nagle's algorithm on, the second
+    // waits for the server's delayed ACK (measured: 33 ms sequential ADDs became 115 ms).
+    http.set_nodelay(true);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
