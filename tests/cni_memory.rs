@@ -749,3 +749,42 @@ async fn a_group_gives_a_repeated_attachment_one_address() {
     assert_eq!(pool.allocations.len(), 2);
     assert_eq!(store.reservation_names().len(), 2);
 }
+
+/// A group may start from the pool version its worker wrote last; when another writer has written
+/// since, the stale start costs a lost write, never a duplicate.
+#[tokio::test]
+async fn a_group_started_from_a_stale_pool_version_still_gives_distinct_addresses() {
+    use whereabouts::cni::group::allocate_group_from;
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let range = range_of(ipam.clone());
+    let (first, known) =
+        allocate_group_from(&store, (0..10).map(|i| job(&range, i)).collect(), None).await;
+    assert!(first.iter().all(Result::is_ok));
+    let known = known.expect("the group knows the version it wrote");
+    assert_eq!(known.allocations.len(), 10);
+    // Another writer takes the next address meanwhile.
+    let other = run(&store, Command::Add, &ipam, "x", "other")
+        .await
+        .unwrap();
+    assert_eq!(addresses(&other.unwrap()), ["10.0.0.11/24"]);
+    let (second, last) = allocate_group_from(
+        &store,
+        (10..20).map(|i| job(&range, i)).collect(),
+        Some(known),
+    )
+    .await;
+    let mut seen: BTreeSet<String> = first
+        .iter()
+        .chain(&second)
+        .map(|r| r.as_ref().unwrap().ip.to_string())
+        .collect();
+    assert!(
+        seen.insert("10.0.0.11".into()),
+        "the other writer's address was given out again"
+    );
+    assert_eq!(seen.len(), 21);
+    assert_eq!(last.unwrap().allocations.len(), 21);
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len(), 21);
+}

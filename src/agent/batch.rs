@@ -11,13 +11,15 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::cni::Allocate;
 use crate::cni::allocate::{AllocError, Allocated, Scope};
-use crate::cni::group::{Job, allocate_group};
+use crate::cni::group::{Job, allocate_group_from};
 use crate::cni::protocol::Attachment;
 use crate::config::RangeConfig;
-use crate::store::Store;
+use crate::store::{Pool, Store};
 
 /// The most ADDs one group takes; the rest wait for the next group.
 const MAX_GROUP: usize = 500;
+/// How long the pool version a worker wrote is trusted as the starting point of its next group.
+const KNOWN_FOR: Duration = Duration::from_secs(2);
 /// A pool's worker stops after this long without work (a node has few pools, but they change).
 const IDLE: Duration = Duration::from_secs(300);
 
@@ -84,6 +86,7 @@ async fn worker<S: Store>(
     pool: String,
     mut rx: mpsc::UnboundedReceiver<(Job, Reply)>,
 ) {
+    let mut known: Option<(tokio::time::Instant, Pool)> = None;
     loop {
         let first = match tokio::time::timeout(IDLE, rx.recv()).await {
             Ok(Some(first)) => first,
@@ -112,7 +115,15 @@ async fn worker<S: Store>(
         let started = tokio::time::Instant::now();
         let (jobs, replies): (Vec<Job>, Vec<Reply>) = group.into_iter().unzip();
         let size = jobs.len();
-        let results = allocate_group(&*store, jobs).await;
+        // The version this worker wrote last is the pool's current one unless another node
+        // wrote since: start from it while it is fresh, saving a read (and, when the read would
+        // come from the API server's lagging cache, a lost write).
+        let start = known
+            .take()
+            .filter(|(at, _)| at.elapsed() < KNOWN_FOR)
+            .map(|(_, p)| p);
+        let (results, last) = allocate_group_from(&*store, jobs, start).await;
+        known = last.map(|pool| (tokio::time::Instant::now(), pool));
         tracing::debug!(%pool, size, ms = started.elapsed().as_millis() as u64, "group allocated");
         for (reply, result) in replies.into_iter().zip(results) {
             let _ = reply.send(result);

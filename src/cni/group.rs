@@ -97,6 +97,17 @@ pub async fn allocate_group<S: Store>(
     store: &S,
     jobs: Vec<Job>,
 ) -> Vec<Result<Allocated, AllocError>> {
+    allocate_group_from(store, jobs, None).await.0
+}
+
+/// [`allocate_group`], starting from `known`, a version of the pool this caller read or wrote a
+/// moment ago (instead of reading it), and returning the version the group left, if it knows it.
+/// A stale `known` costs one lost write and a re-read, never a wrong allocation.
+pub async fn allocate_group_from<S: Store>(
+    store: &S,
+    jobs: Vec<Job>,
+    known: Option<Pool>,
+) -> (Vec<Result<Allocated, AllocError>>, Option<Pool>) {
     let mut slots: Vec<Slot> = jobs
         .into_iter()
         .map(|job| Slot {
@@ -106,16 +117,24 @@ pub async fn allocate_group<S: Store>(
         })
         .collect();
     if slots.is_empty() {
-        return Vec::new();
+        return (Vec::new(), known);
     }
-    if let Err(e) = rounds(store, &mut slots).await {
-        // A claim already made stays: the runtime's retry of this ADD adopts it.
-        for slot in slots.iter_mut().filter(|s| s.unsettled()) {
-            slot.state = State::Finished(Err(AllocError::Store(e.clone())));
+    let mut last = match rounds(store, &mut slots, known).await {
+        Ok(pool) => Some(pool),
+        Err(e) => {
+            // A claim already made stays: the runtime's retry of this ADD adopts it.
+            for slot in slots.iter_mut().filter(|s| s.unsettled()) {
+                slot.state = State::Finished(Err(AllocError::Store(e.clone())));
+            }
+            None
         }
-    }
+    };
     for slot in slots.iter_mut().filter(|s| s.unsettled()) {
         slot.state = State::Alone;
+    }
+    if slots.iter().any(|s| matches!(s.state, State::Alone)) {
+        // The one-by-one path writes the pool on its own: what this group saw is outdated.
+        last = None;
     }
     let alone = futures::future::join_all(
         slots
@@ -125,25 +144,34 @@ pub async fn allocate_group<S: Store>(
     )
     .await;
     let mut alone = alone.into_iter();
-    slots
+    let results = slots
         .into_iter()
         .map(|s| match s.state {
             State::Finished(result) => result,
             _ => alone.next().expect("one result per job gone alone"),
         })
-        .collect()
+        .collect();
+    (results, last)
 }
 
 /// Claims and records until every job is settled or the rounds run out.
-async fn rounds<S: Store>(store: &S, slots: &mut [Slot]) -> Result<(), StoreError> {
+/// Returns the last version of the pool seen.
+async fn rounds<S: Store>(
+    store: &S,
+    slots: &mut [Slot],
+    known: Option<Pool>,
+) -> Result<Pool, StoreError> {
     let range = slots[0].job.range.clone();
-    let mut pool = ensure_pool(store, &range, true).await?;
+    let mut pool = match known {
+        Some(pool) => pool,
+        None => ensure_pool(store, &range, true).await?,
+    };
     let mut skip = BTreeSet::new();
     let mut races = 0;
     for round in 0..GROUP_ROUNDS {
         settle(store, &pool, slots, &mut skip).await?;
         if !slots.iter().any(Slot::unsettled) {
-            return Ok(());
+            return Ok(pool);
         }
         let lost = claim_open(store, &range, &pool, slots, &mut skip, races).await?;
         if lost {
@@ -171,7 +199,8 @@ async fn rounds<S: Store>(store: &S, slots: &mut [Slot]) -> Result<(), StoreErro
             PoolWrite::Missing => pool = ensure_pool(store, &range, false).await?,
         }
     }
-    settle(store, &pool, slots, &mut skip).await
+    settle(store, &pool, slots, &mut skip).await?;
+    Ok(pool)
 }
 
 /// Finishes the jobs whose claims the pool records, re-opens those whose address went to a writer
