@@ -8,7 +8,10 @@ from /proc of the pid in the cluster state folder). Used for docs/benchmarks.md 
   python3 bench/del_storm.py --kubeconfig K --namespace NS --n 200 --range 10.42.0.0/24 \\
       --plugin target/release/whereabouts [--state /tmp/wa-bench-state]
 
-The kubeconfig's context namespace is where the pool lives; pods need not exist.
+The kubeconfig's context namespace is where the pool lives; pods need not exist. With
+--agent-socket the plugin hands its requests to a node agent listening there (start it first:
+whereabouts-operator agent --socket S --kubeconfig K --serves-kubeconfig K); without, it never
+uses one.
 """
 import argparse, json, os, subprocess, time
 
@@ -19,11 +22,13 @@ ap.add_argument("--n", type=int, default=100)
 ap.add_argument("--range", default="10.42.0.0/24")
 ap.add_argument("--plugin", default="target/release/whereabouts")
 ap.add_argument("--state", default="/tmp/wa-bench-state")
+ap.add_argument("--agent-socket", default="", help="the node agent's socket (default: no agent)")
 a = ap.parse_args()
 
 conf = json.dumps({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
                    "ipam": {"type": "whereabouts", "range": a.range,
-                            "kubernetes": {"kubeconfig": a.kubeconfig}}})
+                            "kubernetes": {"kubeconfig": a.kubeconfig},
+                            "agent_socket": a.agent_socket}})
 pid = int(open(os.path.join(a.state, "kube-apiserver.pid")).read())
 
 def apiserver_cpu():
