@@ -679,10 +679,11 @@ def markdown(records):
     for r in rows:
         by.setdefault((r["scenario"], r["n"]), {})[r["impl"]] = r
     present = [k for k in IMPLS if any(r["impl"] == k for r in rows)]
+    label = {r["impl"]: r["label"] for r in rows}  # as run (--baseline may rename)
     ours = [k for k in present if k != "upstream"]
-    lines += ["", "| scenario | N | metric | " + " | ".join(IMPLS[k]["label"] for k in present)
-              + "".join(f" | upstream / {IMPLS[k]['label']}" for k in ours if "upstream" in present)
-              + " | failed (" + " / ".join(IMPLS[k]["label"] for k in present) + ") |",
+    lines += ["", "| scenario | N | metric | " + " | ".join(label[k] for k in present)
+              + "".join(f" | upstream / {label[k]}" for k in ours if "upstream" in present)
+              + " | failed (" + " / ".join(label[k] for k in present) + ") |",
               "|---|---:|---|" + "---:|" * len(present)
               + "---:|" * (len(ours) if "upstream" in present else 0) + "---|"]
     for (kind, n), d in by.items():

@@ -788,3 +788,37 @@ async fn a_group_started_from_a_stale_pool_version_still_gives_distinct_addresse
     let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
     assert_eq!(pool.allocations.len(), 21);
 }
+
+/// DELs through the agent's batcher: released together, each only its own container's entries;
+/// an address re-bound to a newer container of the pod keeps its entry and reservation.
+#[tokio::test]
+async fn batched_dels_release_together_and_spare_re_bound_addresses() {
+    use whereabouts::agent::batch::Batcher;
+    let store = Arc::new(MemoryStore::new().interleaved());
+    let batcher = Arc::new(Batcher::new(store.clone()));
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    concurrent_adds(&store, &ipam, 60).await;
+    // Pod p0's interface was re-created under container n0 and took its address over.
+    let again = run(&store, Command::Add, &ipam, "n0", "p0").await.unwrap();
+    let kept = addresses(&again.unwrap())[0].clone();
+    let before = store.count("patch");
+    let tasks: Vec<_> = (0..60)
+        .map(|i| {
+            let (store, batcher, ipam) = (store.clone(), batcher.clone(), ipam.clone());
+            tokio::spawn(async move {
+                let req = request(Command::Del, ipam, &format!("c{i}"), &format!("p{i}")).unwrap();
+                whereabouts::cni::handle_with(&*store, &*batcher, &req).await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let writes = store.count("patch") - before;
+    assert!(writes <= 10, "{writes} pool writes for 60 DELs");
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    let left: Vec<String> = pool.allocations.values().map(|e| e.id.clone()).collect();
+    assert_eq!(left, ["n0"], "only the re-bound entry is left");
+    assert_eq!(store.reservation_names().len(), 1);
+    assert_eq!(format!("{}/24", store.reservation_names()[0]), kept);
+}

@@ -19,15 +19,18 @@ use futures::StreamExt;
 
 use super::allocate::{
     AllocError, Allocated, Claim, Scope, allocate, claim, ensure_pool, exhausted, jitter,
-    pending_claims, same_owner, unclaim,
+    pending_claims, remove_entries, same_owner, unclaim,
 };
 use super::protocol::Attachment;
 use crate::config::RangeConfig;
 use crate::crd::IPAllocation;
+use crate::ipam::naming::reservation_name;
 use crate::store::{Pool, PoolWrite, Store, StoreError};
 
 /// Rounds of claim-and-write before the rest of a group goes one by one.
 const GROUP_ROUNDS: u32 = 8;
+/// Jobs going the one-by-one way at once.
+const ALONE_AT_ONCE: usize = 16;
 /// Reservations created at once: enough to hide the API server's latency, few enough that one
 /// group does not crowd out every other client of the connection pool.
 const CLAIMS_IN_FLIGHT: usize = 32;
@@ -136,13 +139,17 @@ pub async fn allocate_group_from<S: Store>(
         // The one-by-one path writes the pool on its own: what this group saw is outdated.
         last = None;
     }
-    let alone = futures::future::join_all(
-        slots
-            .iter()
-            .filter(|s| matches!(s.state, State::Alone))
-            .map(|s| allocate(store, &s.job.range, s.job.scope(), &s.job.who)),
-    )
-    .await;
+    // Bounded: the one-by-one path may wait on watches of the pool, and a burst of them (the
+    // retries after an agent restart) must not take every stream of the agent's connection.
+    let alone: Vec<_> = slots
+        .iter()
+        .filter(|s| matches!(s.state, State::Alone))
+        .map(|s| allocate(store, &s.job.range, s.job.scope(), &s.job.who))
+        .collect();
+    let alone: Vec<_> = futures::stream::iter(alone)
+        .buffered(ALONE_AT_ONCE)
+        .collect()
+        .await;
     let mut alone = alone.into_iter();
     let results = slots
         .into_iter()
@@ -343,4 +350,105 @@ async fn claim_open<S: Store>(
         };
     }
     Ok(lost)
+}
+
+/// Releases the entries of each job's container and interface, all from the same pool: one pool
+/// read, each entry's reservation read (for the version to delete it at), one conditional write
+/// removing every entry still held by its container, then the reservations of the removed
+/// entries, each at the version read, so that one a new container of the pod took over meanwhile
+/// is kept. The DELs of a node's scaled-down deployment cost one pool write instead of one each.
+/// Results in job order: the addresses released.
+pub async fn release_group<S: Store>(
+    store: &S,
+    jobs: &[Job],
+) -> Vec<Result<Vec<std::net::IpAddr>, StoreError>> {
+    match release_all(store, jobs).await {
+        Ok(released) => released.into_iter().map(Ok).collect(),
+        // DEL is idempotent: the runtime retries it.
+        Err(e) => jobs.iter().map(|_| Err(e.clone())).collect(),
+    }
+}
+
+async fn release_all<S: Store>(
+    store: &S,
+    jobs: &[Job],
+) -> Result<Vec<Vec<std::net::IpAddr>>, StoreError> {
+    let Some(first) = jobs.first() else {
+        return Ok(Vec::new());
+    };
+    let Some(pool) = store.get_pool(&first.range.pool_name).await? else {
+        return Ok(jobs.iter().map(|_| Vec::new()).collect());
+    };
+    // (job, offset, entry) of every entry to release.
+    let mut mine: Vec<(usize, u128, IPAllocation)> = Vec::new();
+    for (j, job) in jobs.iter().enumerate() {
+        let who = &job.who;
+        mine.extend(
+            pool.allocations
+                .iter()
+                .filter(|(_, e)| {
+                    e.id == who.container_id && (e.ifname == who.ifname || e.ifname.is_empty())
+                })
+                .map(|(o, e)| (j, *o, e.clone())),
+        );
+    }
+    if mine.is_empty() {
+        return Ok(jobs.iter().map(|_| Vec::new()).collect());
+    }
+    let reads: Vec<_> = mine
+        .iter()
+        .map(|(j, offset, entry)| {
+            let job = &jobs[*j];
+            async move {
+                // An entry outside the range's CIDR (a malformed pool) has no reservation.
+                let ip = job.range.range.addr_at(*offset).filter(|_| job.overlapping);
+                let Some(ip) = ip else {
+                    return Ok(None);
+                };
+                let name = reservation_name(job.network_name.as_deref(), ip);
+                Ok(store
+                    .get_reservation(&name)
+                    .await?
+                    .filter(|r| r.spec.podref == entry.podref)
+                    .map(|r| (name, r.uid, r.resource_version)))
+            }
+        })
+        .collect();
+    let reservations: Vec<Option<(String, String, String)>> = futures::stream::iter(reads)
+        .buffered(CLAIMS_IN_FLIGHT)
+        .collect::<Vec<Result<_, StoreError>>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let entries: Vec<(u128, IPAllocation)> = mine.iter().map(|(_, o, e)| (*o, e.clone())).collect();
+    let gone: BTreeSet<u128> = remove_entries(store, &pool.name, &entries, Some(pool.clone()))
+        .await?
+        .into_iter()
+        .map(|(o, _)| o)
+        .collect();
+    let deletes = mine
+        .iter()
+        .zip(&reservations)
+        .filter(|((_, o, _), _)| gone.contains(o))
+        .filter_map(|(_, r)| r.as_ref())
+        .map(|(name, uid, rv)| store.delete_reservation(name, uid, Some(rv)))
+        .collect::<Vec<_>>();
+    futures::stream::iter(deletes)
+        .buffer_unordered(CLAIMS_IN_FLIGHT)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut released: Vec<Vec<std::net::IpAddr>> = jobs.iter().map(|_| Vec::new()).collect();
+    for (j, offset, _) in &mine {
+        if let Some(ip) = jobs[*j]
+            .range
+            .range
+            .addr_at(*offset)
+            .filter(|_| gone.contains(offset))
+        {
+            released[*j].push(ip);
+        }
+    }
+    Ok(released)
 }

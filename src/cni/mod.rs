@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 
 use crate::config::{IpamConfig, NetConf, RangeConfig, Source, flat, problem, validate_ipam};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use allocate::{AllocError, Allocated, Scope, release, release_entries};
 use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
 
@@ -137,8 +137,9 @@ fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
     Ok(())
 }
 
-/// How an ADD claims each range's address: by this process alone ([`Direct`]), or handed to the
-/// node agent's group allocator, which claims many ADDs' addresses of one pool together.
+/// How an ADD claims, and a DEL releases, each range's address: by this process alone
+/// ([`Direct`]), or handed to the node agent, which claims (releases) the addresses of many ADDs
+/// (DELs) of one pool together.
 pub trait Allocate<S: Store>: Sync {
     fn allocate(
         &self,
@@ -147,9 +148,18 @@ pub trait Allocate<S: Store>: Sync {
         scope: Scope<'_>,
         who: &Attachment,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send;
+
+    fn release(
+        &self,
+        store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send;
 }
 
-/// Each ADD claims and records its own addresses ([`allocate::allocate`]).
+/// Each ADD claims and records its own addresses ([`allocate::allocate`]), each DEL releases its
+/// own ([`allocate::release`]).
 pub struct Direct;
 
 impl<S: Store> Allocate<S> for Direct {
@@ -161,6 +171,16 @@ impl<S: Store> Allocate<S> for Direct {
         who: &Attachment,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
         allocate::allocate(store, range, scope, who)
+    }
+
+    fn release(
+        &self,
+        store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
+        release(store, range, scope, who)
     }
 }
 
@@ -222,7 +242,7 @@ pub async fn handle_with<S: Store, A: Allocate<S>>(
 ) -> Result<Option<Value>, CniError> {
     match req.command {
         Command::Add => add(store, alloc, req).await.map(Some),
-        Command::Del => del(store, req).await.map(|_| None),
+        Command::Del => del(store, alloc, req).await.map(|_| None),
         Command::Check => check(store, req).await.map(|_| None),
         Command::Gc => gc(store, req).await.map(|_| None),
         Command::Status => status(store).await.map(|_| None),
@@ -258,7 +278,7 @@ async fn add<S: Store, A: Allocate<S>>(
                 });
             }
             Err(e) => {
-                rollback(store, req, i).await;
+                rollback(store, alloc, req, i).await;
                 return Err(alloc_error(e));
             }
         }
@@ -273,9 +293,12 @@ async fn add<S: Store, A: Allocate<S>>(
 }
 
 /// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
-async fn rollback<S: Store>(store: &S, req: &Request, upto: usize) {
+async fn rollback<S: Store, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
     for range in &req.ipam.ranges[..upto] {
-        if let Err(e) = release(store, range, scope(req), &req.attachment).await {
+        if let Err(e) = alloc
+            .release(store, range, scope(req), &req.attachment)
+            .await
+        {
             tracing::error!(pool = %range.pool_name, error = %e, "could not roll back a partial ADD; the audit will release it");
         }
     }
@@ -316,10 +339,17 @@ fn alloc_error(e: AllocError) -> CniError {
 
 /// Releases every range; a failing range does not stop the others, and any failure is reported
 /// so the runtime retries (a second DEL is harmless).
-async fn del<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
+async fn del<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<(), CniError> {
     let mut failures = Vec::new();
     for range in &req.ipam.ranges {
-        match release(store, range, scope(req), &req.attachment).await {
+        match alloc
+            .release(store, range, scope(req), &req.attachment)
+            .await
+        {
             Ok(ips) => tracing::info!(pool = %range.pool_name, released = ?ips, "released"),
             Err(e) => failures.push(format!("{}: {e}", range.pool_name)),
         }

@@ -186,6 +186,7 @@ fn the_agent_serves_concurrent_adds_dual_stack_and_dels() {
     }
     assert!(ns.allocations("10.40.0.0-24").is_empty());
     assert!(ns.reservations().is_empty());
+    assert!(agent.log().contains("group released"), "{}", agent.log());
 }
 
 /// Without an agent to take it (none listening, one killed, one serving another kubeconfig), the
