@@ -141,7 +141,13 @@ class Scenario:
         shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
         self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
                       kubeconfig=str(self.kubeconfig))
-        self.flat.write_text(json.dumps({"kubernetes": {"kubeconfig": str(self.kubeconfig)}}))
+        flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}}
+        # agent_socket is read from the flat file only.
+        if "agent" in self.impl:
+            flat["agent_socket"] = str(self.socket)
+        elif self.impl_key == "ours":
+            flat["agent_socket"] = ""  # never an agent at the default path
+        self.flat.write_text(json.dumps(flat))
         ipam = {
             "type": "whereabouts",
             "configuration_path": str(self.flat),
@@ -149,10 +155,7 @@ class Scenario:
             "log_file": str(self.logfile),
         }
         if "agent" in self.impl:
-            ipam["agent_socket"] = str(self.socket)
             self.start_agent()
-        elif self.impl_key == "ours":
-            ipam["agent_socket"] = ""  # never an agent at the default path
         if len(self.ranges) == 1:
             ipam["range"] = self.ranges[0]
         else:

@@ -25,10 +25,12 @@ ap.add_argument("--state", default="/tmp/wa-bench-state")
 ap.add_argument("--agent-socket", default="", help="the node agent's socket (default: no agent)")
 a = ap.parse_args()
 
+# agent_socket is read from the node's flat file only: write one next to the kubeconfig.
+flat = os.path.join(os.path.dirname(os.path.abspath(a.kubeconfig)), "del-storm-flat.conf")
+with open(flat, "w") as f:
+    json.dump({"kubernetes": {"kubeconfig": a.kubeconfig}, "agent_socket": a.agent_socket}, f)
 conf = json.dumps({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
-                   "ipam": {"type": "whereabouts", "range": a.range,
-                            "kubernetes": {"kubeconfig": a.kubeconfig},
-                            "agent_socket": a.agent_socket}})
+                   "ipam": {"type": "whereabouts", "range": a.range, "configuration_path": flat}})
 pid = int(open(os.path.join(a.state, "kube-apiserver.pid")).read())
 
 def apiserver_cpu():

@@ -56,6 +56,9 @@ pub fn context_namespace(kubeconfig: &Kubeconfig) -> String {
         .unwrap_or_else(|| DEFAULT_POOL_NAMESPACE.to_owned())
 }
 
+/// The longest an API request of the HTTP/2 client may take to answer.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A client that speaks HTTP/2 when the API server offers it (it does): every request of the
 /// process shares one TLS connection. kube-rs's own client is HTTP/1.1 only and opens a
 /// connection per request in flight, which for the node agent means tens of handshakes per burst
@@ -91,6 +94,10 @@ pub fn http2_client(config: Config) -> Result<kube::Client, kube::Error> {
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        // One stalled request must not hold a pool's worker (and every ADD queued behind it)
+        // until the plugins' deadlines: it fails and is retried like any other API error. The
+        // limit runs until the response headers, so a watch's body is not cut off.
+        .layer(tower::timeout::TimeoutLayer::new(REQUEST_TIMEOUT))
         .map_err(tower::BoxError::from)
         .service(client);
     Ok(kube::Client::new(service, config.default_namespace))

@@ -822,3 +822,75 @@ async fn batched_dels_release_together_and_spare_re_bound_addresses() {
     assert_eq!(store.reservation_names().len(), 1);
     assert_eq!(format!("{}/24", store.reservation_names()[0]), kept);
 }
+
+fn attachment(container: &str, pod: &str) -> whereabouts::cni::protocol::Attachment {
+    whereabouts::cni::protocol::Attachment {
+        container_id: container.into(),
+        ifname: "net1".into(),
+        podref: format!("ns/{pod}"),
+        pod_uid: String::new(),
+    }
+}
+
+const OVERLAPPING: whereabouts::cni::allocate::Scope<'static> = whereabouts::cni::allocate::Scope {
+    network_name: None,
+    overlapping: true,
+};
+
+/// An ADD and then a DEL of the same interface reaching a pool's worker together (the runtime
+/// gave up on the ADD and cleans up): the DEL is not run before the ADD, so nothing is left.
+#[tokio::test]
+async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
+    use whereabouts::agent::batch::Batcher;
+    use whereabouts::cni::Allocate;
+    let store = Arc::new(MemoryStore::new());
+    let batcher = Batcher::new(store.clone());
+    let range = range_of(json!({"range": "10.0.0.0/24"}));
+    let who = attachment("c1", "p1");
+    let add = batcher.allocate(&store, &range, OVERLAPPING, &who);
+    let del = batcher.release(&store, &range, OVERLAPPING, &who);
+    let (added, released) = tokio::join!(add, del);
+    let ip = added.unwrap().ip;
+    assert_eq!(
+        released.unwrap(),
+        [ip],
+        "the DEL released what the ADD took"
+    );
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert!(pool.allocations.is_empty(), "{:?}", pool.allocations);
+    assert!(store.reservation_names().is_empty());
+}
+
+/// An ADD that gives up (its deadline) while its group is being written: the worker releases the
+/// address it recorded, instead of leaving it to the runtime's DEL or the audit.
+#[tokio::test]
+async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
+    use whereabouts::agent::batch::Batcher;
+    use whereabouts::cni::Allocate;
+    let store = Arc::new(MemoryStore::new().interleaved());
+    let batcher = Arc::new(Batcher::new(store.clone()));
+    let range = range_of(json!({"range": "10.0.0.0/24"}));
+    let task = {
+        let (store, batcher, range) = (store.clone(), batcher.clone(), range.clone());
+        tokio::spawn(async move {
+            let who = attachment("c1", "p1");
+            batcher.allocate(&store, &range, OVERLAPPING, &who).await
+        })
+    };
+    // Give up once the group is at work (it has read the pool).
+    while store.count("get_pool") == 0 {
+        tokio::task::yield_now().await;
+    }
+    task.abort();
+    let mut left = usize::MAX;
+    for _ in 0..10_000 {
+        tokio::task::yield_now().await;
+        let pool = store.get_pool("10.0.0.0-24").await.unwrap();
+        left = pool.map_or(0, |p| p.allocations.len()) + store.reservation_names().len();
+        if left == 0 && store.count("patch") >= 2 {
+            break;
+        }
+    }
+    assert_eq!(store.count("patch"), 2, "recorded, then released");
+    assert_eq!(left, 0, "entry or reservation left behind");
+}

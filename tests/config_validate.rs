@@ -319,4 +319,19 @@ fn agent_socket_defaults_turns_off_and_must_be_absolute() {
         vec![r#"ipam.agent_socket "7" must be a string"#]
     );
     assert!(warnings(json!({"range": "10.0.0.0/24", "agent_socket": ""})).is_empty());
+    // In a NAD it is ignored (the plugin takes it from the node's flat file only), with a word.
+    let nad = validate_ipam(
+        &json!({"range": "10.0.0.0/24", "agent_socket": "/tmp/x.sock"}),
+        "ipam",
+        Source::Nad,
+    );
+    assert_eq!(
+        nad.warnings
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        [
+            "ipam.agent_socket is node configuration, read from the flat file only: ignored in a network config"
+        ]
+    );
 }

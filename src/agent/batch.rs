@@ -136,22 +136,34 @@ impl<S: Store + 'static> Allocate<S> for Batcher<S> {
 
 async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedReceiver<Work>) {
     let mut known: Option<(tokio::time::Instant, Pool)> = None;
+    // Work held back from the last batch to keep its order (see `conflicts`).
+    let mut carried: Option<Work> = None;
     loop {
-        let first = match tokio::time::timeout(IDLE, rx.recv()).await {
-            Ok(Some(first)) => first,
-            Ok(None) => return,
-            Err(_) => {
-                // Refuse new work (its senders start a new worker), finish what is queued.
-                rx.close();
-                match rx.recv().await {
-                    Some(first) => first,
-                    None => return,
+        let first = match carried.take() {
+            Some(work) => work,
+            None => match tokio::time::timeout(IDLE, rx.recv()).await {
+                Ok(Some(first)) => first,
+                Ok(None) => return,
+                Err(_) => {
+                    // Refuse new work (its senders start a new worker), finish what is queued.
+                    rx.close();
+                    match rx.recv().await {
+                        Some(first) => first,
+                        None => return,
+                    }
                 }
-            }
+            },
         };
         let mut queued = vec![first];
         while queued.len() < MAX_GROUP {
             match rx.try_recv() {
+                // A batch runs its releases before its allocations: a DEL that arrived after an
+                // ADD of the same interface waits for the next batch, or it would release
+                // nothing and the ADD would then record an address for a gone container.
+                Ok(next) if conflicts(&queued, &next) => {
+                    carried = Some(next);
+                    break;
+                }
                 Ok(next) => queued.push(next),
                 Err(_) => break,
             }
@@ -186,12 +198,35 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
                 .take()
                 .filter(|(at, _)| at.elapsed() < KNOWN_FOR)
                 .map(|(_, p)| p);
-            let (results, last) = allocate_group_from(&*store, jobs, start).await;
+            let (results, last) = allocate_group_from(&*store, jobs.clone(), start).await;
             known = last.map(|pool| (tokio::time::Instant::now(), pool));
             tracing::debug!(%pool, size, ms = started.elapsed().as_millis() as u64, "group allocated");
-            for (reply, result) in replies.into_iter().zip(results) {
-                let _ = reply.send(result);
+            let mut orphans = Vec::new();
+            for ((reply, result), job) in replies.into_iter().zip(results).zip(jobs) {
+                // The ADD ran out of time while its group ran, and has rolled back what it found:
+                // the address recorded after that is released here, not left to the audit.
+                if let Err(Ok(_)) = reply.send(result) {
+                    orphans.push(job);
+                }
+            }
+            if !orphans.is_empty() {
+                tracing::warn!(%pool, count = orphans.len(), "releasing addresses of ADDs that gave up waiting");
+                release_group(&*store, &orphans).await;
+                known = None;
             }
         }
     }
+}
+
+/// Whether `next` releases an interface that an allocation already in `queued` is for.
+fn conflicts(queued: &[Work], next: &Work) -> bool {
+    let Work::Release(del, _) = next else {
+        return false;
+    };
+    queued.iter().any(|w| match w {
+        Work::Allocate(add, _) => {
+            add.who.container_id == del.who.container_id && add.who.ifname == del.who.ifname
+        }
+        Work::Release(..) => false,
+    })
 }

@@ -8,6 +8,8 @@ use std::time::Duration;
 use super::protocol::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
 use crate::cni::protocol::{CniError, code};
 
+/// How long connecting may take before the plugin runs the request itself.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long writing the request may take (it is a few kilobytes into a local socket).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -22,28 +24,32 @@ pub fn call(
     request: &AgentRequest,
     timeout: Duration,
 ) -> Result<Option<AgentReply>, CniError> {
-    let mut stream = match UnixStream::connect(socket) {
+    let mut stream = match connect(socket) {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(socket = %socket.display(), error = %e, "no node agent; running the request here");
             return Ok(None);
         }
     };
-    let body = serde_json::to_vec(request).expect("requests serialize");
-    let sent = stream
-        .set_write_timeout(Some(WRITE_TIMEOUT))
-        .and_then(|_| stream.write_all(&body))
-        .and_then(|_| stream.shutdown(std::net::Shutdown::Write));
-    if let Err(e) = sent {
-        tracing::warn!(socket = %socket.display(), error = %e, "could not send the request to the node agent; running it here");
-        return Ok(None);
-    }
     let lost = |what: String| {
         CniError::new(
             code::TRY_AGAIN_LATER,
             format!("node agent at {}: {what}", socket.display()),
         )
     };
+    let body = serde_json::to_vec(request).expect("requests serialize");
+    let written = stream
+        .set_write_timeout(Some(WRITE_TIMEOUT))
+        .and_then(|_| stream.write_all(&body));
+    if let Err(e) = written {
+        // The agent runs only a complete request, and this one is not: safe to run it here.
+        tracing::warn!(socket = %socket.display(), error = %e, "could not send the request to the node agent; running it here");
+        return Ok(None);
+    }
+    // From here the agent may have the whole request: never run it here as well.
+    stream
+        .shutdown(std::net::Shutdown::Write)
+        .map_err(|e| lost(format!("could not finish the request: {e}")))?;
     let mut answer = Vec::new();
     stream
         .set_read_timeout(Some(timeout))
@@ -59,4 +65,21 @@ pub fn call(
     serde_json::from_slice(&answer)
         .map(Some)
         .map_err(|e| lost(format!("unreadable answer: {e}")))
+}
+
+/// Connects without blocking on an agent that does not accept (a full backlog would block a
+/// plain connect for good): an agent that cannot take the connection at once is not used.
+fn connect(socket: &Path) -> std::io::Result<UnixStream> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    let stream = runtime.block_on(async {
+        tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::UnixStream::connect(socket))
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+    })?;
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    Ok(stream)
 }

@@ -60,7 +60,10 @@ fn main() -> ExitCode {
         Err(e) => return fail(&e, &version),
     };
     if let Some(socket) = req.ipam.agent_socket.as_deref() {
-        let request = AgentRequest::new(std::env::vars(), &stdin, flat_file);
+        // As `env` above: a variable that is not UTF-8 counts as unset (`vars()` would panic).
+        let vars = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        let request = AgentRequest::new(vars, &stdin, flat_file);
         let wait = cni::ADD_DEADLINE + cni::ROLLBACK_BUDGET + Duration::from_secs(5);
         match client::call(Path::new(socket), &request, wait) {
             Ok(Some(AgentReply::Done { output })) => return print(output),

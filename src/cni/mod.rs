@@ -110,6 +110,13 @@ fn merge_flat_file(ipam: &Value, inv: &Invocation<'_>) -> Result<Value, CniError
         return Ok(ipam.clone());
     };
     let mut merged: Map<String, Value> = obj.clone();
+    // Which socket root's plugin trusts for its results is the node's decision, not a network
+    // config's (anyone who may write a NAD could otherwise point it at a socket of their own).
+    if merged.remove("agent_socket").is_some() {
+        tracing::warn!(
+            "ipam.agent_socket is taken from the node's flat file only; the network config's is ignored"
+        );
+    }
     if let Some((path, flat_conf)) = find_flat_file(inv)? {
         tracing::debug!(path = %path.display(), "merging flat file");
         flat::merge(&mut merged, &flat_conf);

@@ -141,6 +141,12 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     }
     check_overlaps(&mut r, &ranges);
     let mut errors = r.errors;
+    if source == Source::Nad && obj.contains_key("agent_socket") {
+        out.warnings.push(Problem::at(
+            format!("{prefix}.agent_socket"),
+            "is node configuration, read from the flat file only: ignored in a network config",
+        ));
+    }
     if !declares_range(obj) {
         let p = Problem::at(
             format!("{prefix}.range"),

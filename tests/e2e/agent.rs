@@ -220,13 +220,28 @@ fn without_an_agent_the_plugin_runs_the_request_itself() {
     let r = ns.cni("ADD", &conf, "c2", "net1", "pod2", "u2");
     assert_eq!(r.addresses(), ["10.41.0.3/24"], "{}", r.stderr);
 
-    // agent_socket "" turns the agent off altogether.
-    ipam["agent_socket"] = "".into();
+    // `agent_socket` in the network config is ignored (root's plugin takes it from the node's
+    // flat file only), and "" there turns the agent off: a live agent serving this kubeconfig
+    // gets nothing.
+    let other = tempfile::tempdir().unwrap();
+    let live = Agent::start(&ns, other.path(), &own);
+    ipam["agent_socket"] = live.socket.to_str().unwrap().into();
+    let flat = dir.path().join("off.conf");
+    std::fs::write(
+        &flat,
+        json!({"kubernetes": {"kubeconfig": own}, "agent_socket": ""}).to_string(),
+    )
+    .unwrap();
     let mut off = ns.netconf("1.0.0", ipam);
-    off["ipam"]["configuration_path"] = ns.flat_file().to_str().unwrap().into();
+    off["ipam"]["configuration_path"] = flat.to_str().unwrap().into();
     let r = ns.cni("ADD", &off, "c3", "net1", "pod3", "u3");
     assert_eq!(r.addresses(), ["10.41.0.4/24"]);
-    assert!(!r.stderr.contains("node agent"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("taken from the node's flat file only"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(live.served(), 0, "{}", live.log());
 }
 
 /// Killing the agent while ADDs are in its hands: the plugins cut off report a retryable error,
@@ -269,8 +284,9 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
             .unwrap()
             .success()
     );
-    children
-        .extend((60..80).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))));
+    children.extend(
+        (100..120).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))),
+    );
     std::thread::sleep(Duration::from_millis(500));
     stopped.child.kill().unwrap();
     stopped.child.wait().unwrap();
@@ -359,7 +375,15 @@ fn the_agent_refuses_bad_requests_and_non_root_callers() {
         "{r}"
     );
     let r = agent.raw(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{}","flatFile":null}"#);
-    assert!(r["failed"]["code"].as_u64().is_some(), "{r}");
+    // Validated as the plugin would: "{}" names no cniVersion.
+    assert_eq!(r["failed"]["code"], 1, "{r}");
+    assert!(
+        r["failed"]["msg"]
+            .as_str()
+            .unwrap()
+            .starts_with("cniVersion \"\" is not supported"),
+        "{r}"
+    );
 
     // A caller that is not root (uid 65534) on a socket opened up for it: handed back. (The
     // system Python: a per-user installation is not readable by that user.)
