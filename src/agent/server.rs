@@ -89,7 +89,12 @@ impl<S: Store + 'static> Agent<S> {
             Ok(_permit) => match (self.caller(&stream), request) {
                 (Some(direct), _) => direct,
                 (None, Ok(request)) => self.run(request).await,
-                (None, Err(e)) => e.into(),
+                // The plugin only sends what it built itself: a request this agent cannot read
+                // comes from another version of the plugin (an upgrade in progress), which then
+                // runs it itself.
+                (None, Err(e)) => AgentReply::Direct {
+                    reason: format!("the agent cannot read the request: {}", e.msg),
+                },
             },
             Err(_) => AgentReply::Direct {
                 reason: "agent busy".into(),
