@@ -45,15 +45,17 @@ fn main() -> ExitCode {
         stdin: &stdin,
         flat_file: FlatSource::Lookup,
     };
-    init_logging(&lookup);
-    // The flat file is read once and the same content goes to the agent.
-    let flat_file = match cni::find_flat_file(&lookup) {
+    // The flat file is read once: for the logging settings, the config, and the agent.
+    let flat_file = cni::find_flat_file(&lookup);
+    let inv = Invocation {
+        // An unreadable flat file is reported below, once logging is set up from the config.
+        flat_file: FlatSource::Found(flat_file.clone().unwrap_or_default()),
+        ..lookup
+    };
+    init_logging(&inv);
+    let flat_file = match flat_file {
         Ok(f) => f,
         Err(e) => return fail(&e, &version),
-    };
-    let inv = Invocation {
-        flat_file: FlatSource::Found(flat_file.clone()),
-        ..lookup
     };
     let req = match cni::load(command, &inv) {
         Ok(r) => r,

@@ -88,19 +88,24 @@ pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError>
 
 /// The flat file this invocation's config merges (none is fine: the flat file is optional).
 pub fn find_flat_file(inv: &Invocation<'_>) -> Result<Option<flat::FlatFile>, CniError> {
+    let configuration_path = NetConf::parse(inv.stdin, "network config")
+        .ok()
+        .and_then(|conf| {
+            let (_, ipam) = conf.runtime_ipam()?;
+            Some(ipam.get("configuration_path")?.as_str()?.to_owned())
+        });
+    flat_file_of(inv, configuration_path.as_deref())
+}
+
+/// [`find_flat_file`] for a config already parsed, with its `configuration_path`.
+fn flat_file_of(
+    inv: &Invocation<'_>,
+    configuration_path: Option<&str>,
+) -> Result<Option<flat::FlatFile>, CniError> {
     let paths = match &inv.flat_file {
         FlatSource::Found(found) => return Ok(found.clone()),
         FlatSource::Paths(paths) => paths.clone(),
-        FlatSource::Lookup => {
-            let configuration_path =
-                NetConf::parse(inv.stdin, "network config")
-                    .ok()
-                    .and_then(|conf| {
-                        let (_, ipam) = conf.runtime_ipam()?;
-                        Some(ipam.get("configuration_path")?.as_str()?.to_owned())
-                    });
-            flat::candidates(configuration_path.as_deref())
-        }
+        FlatSource::Lookup => flat::candidates(configuration_path),
     };
     flat::load(&paths).map_err(|p| CniError::new(code::INVALID_CONFIG, p.to_string()))
 }
@@ -117,7 +122,8 @@ fn merge_flat_file(ipam: &Value, inv: &Invocation<'_>) -> Result<Value, CniError
             "ipam.agent_socket is taken from the node's flat file only; the network config's is ignored"
         );
     }
-    if let Some((path, flat_conf)) = find_flat_file(inv)? {
+    let configuration_path = obj.get("configuration_path").and_then(Value::as_str);
+    if let Some((path, flat_conf)) = flat_file_of(inv, configuration_path)? {
         tracing::debug!(path = %path.display(), "merging flat file");
         flat::merge(&mut merged, &flat_conf);
     }
