@@ -69,6 +69,20 @@ pub struct Scope<'a> {
 }
 
 impl Attachment {
+    /// The entries a DEL of this attachment releases: its container's on its interface (an
+    /// entry without an interface name, as very old upstream versions wrote, counts as its own).
+    pub(super) fn entries_in<'p>(
+        &self,
+        pool: &'p Pool,
+    ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
+        pool.allocations
+            .iter()
+            .filter(|(_, e)| {
+                e.id == self.container_id && (e.ifname == self.ifname || e.ifname.is_empty())
+            })
+            .map(|(o, e)| (*o, e))
+    }
+
     pub(super) fn entry(&self) -> IPAllocation {
         IPAllocation {
             id: self.container_id.clone(),
@@ -667,6 +681,19 @@ pub(super) async fn claim<S: Store>(
     Ok(Claim::Race)
 }
 
+/// The reservation `name` when it names the pod of `entry`: the one a release of that entry may
+/// delete (never another pod's claim on the same address, e.g. of an overlapping range).
+pub(super) async fn reservation_of<S: Store>(
+    store: &S,
+    name: &str,
+    entry: &IPAllocation,
+) -> Result<Option<crate::store::Reservation>, StoreError> {
+    Ok(store
+        .get_reservation(name)
+        .await?
+        .filter(|r| r.spec.podref == entry.podref))
+}
+
 pub(super) async fn unclaim<S: Store>(
     store: &S,
     network_name: Option<&str>,
@@ -809,14 +836,8 @@ pub async fn release<S: Store>(
     let Some(pool) = store.get_pool(&range.pool_name).await? else {
         return Ok(Vec::new());
     };
-    let mine: Vec<(u128, IPAllocation)> = pool
-        .allocations
-        .iter()
-        .filter(|(_, e)| {
-            e.id == who.container_id && (e.ifname == who.ifname || e.ifname.is_empty())
-        })
-        .map(|(o, e)| (*o, e.clone()))
-        .collect();
+    let mine: Vec<(u128, IPAllocation)> =
+        who.entries_in(&pool).map(|(o, e)| (o, e.clone())).collect();
     if mine.is_empty() || !scope.overlapping {
         return release_entries(store, range, scope, &pool.name, &mine).await;
     }
@@ -827,11 +848,7 @@ pub async fn release<S: Store>(
             continue;
         };
         let name = reservation_name(scope.network_name, ip);
-        let Some(r) = store
-            .get_reservation(&name)
-            .await?
-            .filter(|r| r.spec.podref == entry.podref)
-        else {
+        let Some(r) = reservation_of(store, &name, entry).await? else {
             continue;
         };
         let announced = match store.mark_releasing(&name, &r.uid).await {
@@ -1029,11 +1046,7 @@ pub async fn release_entries<S: Store>(
         released.push(ip);
         if scope.overlapping {
             let name = reservation_name(scope.network_name, ip);
-            if let Some(r) = store
-                .get_reservation(&name)
-                .await?
-                .filter(|r| r.spec.podref == entry.podref)
-            {
+            if let Some(r) = reservation_of(store, &name, entry).await? {
                 store
                     .delete_reservation(&name, &r.uid, Some(&r.resource_version))
                     .await?;

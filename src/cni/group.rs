@@ -19,7 +19,7 @@ use futures::StreamExt;
 
 use super::allocate::{
     AllocError, Allocated, Claim, Scope, allocate, claim, ensure_pool, exhausted, jitter,
-    pending_claims, remove_entries, same_owner, unclaim,
+    pending_claims, remove_entries, reservation_of, same_owner, unclaim,
 };
 use super::protocol::Attachment;
 use crate::config::RangeConfig;
@@ -382,15 +382,7 @@ async fn release_all<S: Store>(
     // (job, offset, entry) of every entry to release.
     let mut mine: Vec<(usize, u128, IPAllocation)> = Vec::new();
     for (j, job) in jobs.iter().enumerate() {
-        let who = &job.who;
-        mine.extend(
-            pool.allocations
-                .iter()
-                .filter(|(_, e)| {
-                    e.id == who.container_id && (e.ifname == who.ifname || e.ifname.is_empty())
-                })
-                .map(|(o, e)| (j, *o, e.clone())),
-        );
+        mine.extend(job.who.entries_in(&pool).map(|(o, e)| (j, o, e.clone())));
     }
     if mine.is_empty() {
         return Ok(jobs.iter().map(|_| Vec::new()).collect());
@@ -406,10 +398,8 @@ async fn release_all<S: Store>(
                     return Ok(None);
                 };
                 let name = reservation_name(job.network_name.as_deref(), ip);
-                Ok(store
-                    .get_reservation(&name)
+                Ok(reservation_of(store, &name, entry)
                     .await?
-                    .filter(|r| r.spec.podref == entry.podref)
                     .map(|r| (name, r.uid, r.resource_version)))
             }
         })
