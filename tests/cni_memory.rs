@@ -593,17 +593,9 @@ async fn legacy_result_versions() {
 // ---- The node agent's group allocation (cni::group, agent::batch) ----
 
 fn job(range: &whereabouts::config::RangeConfig, i: usize) -> whereabouts::cni::group::Job {
-    let who = whereabouts::cni::protocol::Attachment {
-        container_id: format!("c{i}"),
-        ifname: "net1".into(),
-        podref: format!("ns/p{i}"),
-        pod_uid: format!("uid-p{i}"),
-    };
-    let scope = whereabouts::cni::allocate::Scope {
-        network_name: None,
-        overlapping: true,
-    };
-    whereabouts::cni::group::Job::new(range, scope, &who)
+    let mut who = attachment(&format!("c{i}"), &format!("p{i}"));
+    who.pod_uid = format!("uid-p{i}");
+    whereabouts::cni::group::Job::new(range, OVERLAPPING, &who)
 }
 
 fn range_of(ipam: Value) -> whereabouts::config::RangeConfig {

@@ -110,17 +110,6 @@ fn netconf(ns: &Ns, dir: &Path, ipam: Value, kubeconfig: &str, socket: &Path) ->
     conf
 }
 
-/// ADD processes for pods pod<from>..pod<to> at once; returns each one's outcome in order.
-fn spawn_all(ns: &Ns, command: &str, conf: &Value, pods: std::ops::Range<usize>) -> Vec<Cni> {
-    let children: Vec<_> = pods
-        .map(|i| ns.cni_spawn(command, conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
-    children
-        .into_iter()
-        .map(|c| Cni::from(c.wait_with_output().unwrap()))
-        .collect()
-}
-
 #[test]
 fn the_agent_serves_concurrent_adds_dual_stack_and_dels() {
     let ns = Ns::new("agent");
@@ -134,7 +123,7 @@ fn the_agent_serves_concurrent_adds_dual_stack_and_dels() {
         &agent.socket,
     );
     let mut seen = BTreeSet::new();
-    for r in spawn_all(&ns, "ADD", &conf, 0..100) {
+    for r in ns.cni_pods("ADD", &conf, 0..100) {
         assert!(seen.insert(r.addresses()[0].clone()), "duplicate address");
     }
     assert_eq!(seen.len(), 100);
@@ -181,7 +170,7 @@ fn the_agent_serves_concurrent_adds_dual_stack_and_dels() {
         r.stdout
     );
 
-    for r in spawn_all(&ns, "DEL", &conf, 0..100) {
+    for r in ns.cni_pods("DEL", &conf, 0..100) {
         assert!(r.ok, "{:?}", r);
     }
     assert!(ns.allocations("10.40.0.0-24").is_empty());
@@ -263,9 +252,7 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
         &own,
         &agent.socket,
     );
-    let mut children: Vec<_> = (0..100)
-        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
+    let mut children = ns.cni_spawn_pods("ADD", &conf, 0..100);
     // Right after the first answer, while the rest are queued or in a group.
     let deadline = Instant::now() + Duration::from_secs(30);
     while agent.served() == 0 {
@@ -284,9 +271,7 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
             .unwrap()
             .success()
     );
-    children.extend(
-        (100..120).map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}"))),
-    );
+    children.extend(ns.cni_spawn_pods("ADD", &conf, 100..120));
     std::thread::sleep(Duration::from_millis(500));
     stopped.child.kill().unwrap();
     stopped.child.wait().unwrap();
@@ -305,14 +290,7 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
     );
     // The runtime retries every failed ADD (the agent is gone: the plugin runs them itself).
     for i in &failed {
-        let r = ns.cni(
-            "ADD",
-            &conf,
-            &format!("c{i}"),
-            "net1",
-            &format!("pod{i}"),
-            &format!("uid-pod{i}"),
-        );
+        let r = ns.cni_pod("ADD", &conf, *i);
         assert!(r.ok, "{:?}", r);
     }
     let pool = ns.allocations("10.42.0.0-24");

@@ -70,12 +70,8 @@ fn add_is_idempotent_and_del_frees_everything() {
 /// `n` ADD processes for pods pod0.. (containers c0..) started at once; each must get an address
 /// no other got. Returns the addresses.
 fn concurrent_adds(ns: &Ns, conf: &serde_json::Value, n: usize) -> BTreeSet<String> {
-    let children: Vec<_> = (0..n)
-        .map(|i| ns.cni_spawn("ADD", conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
     let mut seen = BTreeSet::new();
-    for child in children {
-        let r = crate::harness::Cni::from(child.wait_with_output().unwrap());
+    for r in ns.cni_pods("ADD", conf, 0..n) {
         assert!(seen.insert(r.addresses()[0].clone()), "duplicate address");
     }
     seen
@@ -94,16 +90,8 @@ fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
     assert!(!leases.contains("whereabouts-"), "{leases}");
 
     // And 100 concurrent DELs free everything, entries and reservations.
-    let children: Vec<_> = (0..100)
-        .map(|i| ns.cni_spawn("DEL", &conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+    for r in ns.cni_pods("DEL", &conf, 0..100) {
+        assert!(r.ok, "{:?}", r);
     }
     assert!(ns.allocations("10.20.0.0-24").is_empty());
     assert!(ns.reservations().is_empty());
@@ -152,9 +140,7 @@ fn an_abandoned_writer_turn_is_taken_over() {
 fn killed_adds_never_leave_a_duplicate() {
     let ns = Ns::new("kill");
     let conf = ns.netconf("1.0.0", json!({"range": "10.30.0.0/24"}));
-    let mut children: Vec<_> = (0..30)
-        .map(|i| ns.cni_spawn("ADD", &conf, &format!("c{i}"), &format!("pod{i}")))
-        .collect();
+    let mut children = ns.cni_spawn_pods("ADD", &conf, 0..30);
     // Kill a third of them at staggered moments, mid-flight.
     for (i, child) in children.iter_mut().enumerate().filter(|(i, _)| i % 3 == 0) {
         std::thread::sleep(Duration::from_millis(5 * i as u64));
@@ -166,14 +152,7 @@ fn killed_adds_never_leave_a_duplicate() {
     // The runtime retries every ADD; each pod must end with its own address.
     let mut by_pod = BTreeMap::new();
     for i in 0..30 {
-        let r = ns.cni(
-            "ADD",
-            &conf,
-            &format!("c{i}"),
-            "net1",
-            &format!("pod{i}"),
-            &format!("uid-pod{i}"),
-        );
+        let r = ns.cni_pod("ADD", &conf, i);
         by_pod.insert(format!("{}/pod{i}", ns.name), r.addresses()[0].clone());
     }
     let distinct: BTreeSet<_> = by_pod.values().collect();
@@ -239,6 +218,23 @@ fn errors_are_cni_json_with_the_right_code() {
         r.stdout["msg"],
         r#"invalid whereabouts config: ipam.range_start "10.0.1.5" is outside range 10.0.0.0/24"#
     );
+    // A flat file that does not parse: the error names it, and logging (set up from the network
+    // config alone) still reports it on stderr.
+    let broken = ns.dir.path().join("broken.conf");
+    std::fs::write(&broken, "{not json").unwrap();
+    let mut conf = ns.netconf("1.0.0", json!({"range": "10.0.0.0/24"}));
+    conf["ipam"]["configuration_path"] = broken.to_str().unwrap().into();
+    let r = ns.cni("ADD", &conf, "c1", "net1", "pod1", "u1");
+    assert_eq!(r.stdout["code"], 7, "{}", r.stdout);
+    let msg = r.stdout["msg"].as_str().unwrap();
+    assert!(
+        msg.starts_with(&format!(
+            "flat file \"{}\" is not valid JSON",
+            broken.display()
+        )),
+        "{msg}"
+    );
+    assert!(r.stderr.contains("is not valid JSON"), "{}", r.stderr);
     let tiny = ns.netconf("1.0.0", json!({"range": "10.40.0.0/30"}));
     ns.cni("ADD", &tiny, "c1", "net1", "pod1", "u1").addresses();
     ns.cni("ADD", &tiny, "c2", "net1", "pod2", "u2").addresses();

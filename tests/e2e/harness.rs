@@ -244,6 +244,38 @@ impl Ns {
         }
         .spawn(whereabouts_bin())
     }
+
+    /// `command` processes for pods pod<i> (containers c<i>) of `pods`, all started at once.
+    pub fn cni_spawn_pods(
+        &self,
+        command: &str,
+        conf: &Value,
+        pods: std::ops::Range<usize>,
+    ) -> Vec<std::process::Child> {
+        pods.map(|i| self.cni_spawn(command, conf, &format!("c{i}"), &format!("pod{i}")))
+            .collect()
+    }
+
+    /// [`Ns::cni_spawn_pods`], then each one's outcome, in pod order.
+    pub fn cni_pods(&self, command: &str, conf: &Value, pods: std::ops::Range<usize>) -> Vec<Cni> {
+        self.cni_spawn_pods(command, conf, pods)
+            .into_iter()
+            .map(|c| Cni::from(c.wait_with_output().unwrap()))
+            .collect()
+    }
+
+    /// `command` for pod<i> alone, named as [`Ns::cni_spawn_pods`] names it (UID uid-pod<i>).
+    pub fn cni_pod(&self, command: &str, conf: &Value, i: usize) -> Cni {
+        let (container, pod) = (format!("c{i}"), format!("pod{i}"));
+        self.cni(
+            command,
+            conf,
+            &container,
+            "net1",
+            &pod,
+            &format!("uid-{pod}"),
+        )
+    }
 }
 
 impl Drop for Ns {
