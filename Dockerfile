@@ -1,12 +1,26 @@
 # syntax=docker/dockerfile:1
-# One image, both binaries:
-#   /usr/local/bin/whereabouts-operator  the operator (`run`) and the node installer (`install-cni`)
+# One image, both binaries, statically linked (musl), nothing else:
+#   /usr/local/bin/whereabouts-operator  the operator (`run`), the node installer (`install-cni`)
+#                                        and the node agent (`agent`)
 #   /usr/local/bin/whereabouts           the CNI plugin, copied onto each node by `install-cni`
-# Build: docker build -t REGISTRY/whereabouts:TAG .
+#
+# The plugin runs on the host, on whatever libc the node has (RHEL 8, Ubuntu 20.04, ...): it must
+# need none, as upstream's Go plugin needs none. The image has no base image for the same reason.
+#
+# Two ways to build it:
+#   docker build -t REGISTRY/whereabouts:TAG .
+#       the default (last) stage: compiles in a Rust builder image, then copies into `scratch`.
+#   make release && buildah bud --target local -t REGISTRY/whereabouts:TAG .
+#       packages the binaries `make release` built on this machine
+#       (target/x86_64-unknown-linux-musl/release/); pulls no image at all. e2e/images.sh does this.
 
-# Builder: the toolchain of Cargo.toml's rust-version on Debian 12, so the binaries link against
-# the same glibc as the runtime image (and the plugin runs on any glibc >= 2.36 host).
+# Builder: the toolchain of Cargo.toml's rust-version, with musl for a static build (musl-gcc
+# compiles ring's C and assembly).
 FROM docker.io/library/rust:1.89-bookworm AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends musl-tools \
+ && rm -rf /var/lib/apt/lists/* \
+ && rustup target add x86_64-unknown-linux-musl
 WORKDIR /src
 # Dependencies first, in their own layer: a source change does not refetch the registry.
 COPY Cargo.toml Cargo.lock ./
@@ -16,14 +30,23 @@ RUN mkdir -p src/bin \
  && touch src/lib.rs \
  && cargo fetch --locked
 COPY src ./src
-RUN cargo build --release --locked --bins \
- && install -D -m 0755 target/release/whereabouts /out/whereabouts \
- && install -D -m 0755 target/release/whereabouts-operator /out/whereabouts-operator
+RUN cargo build --release --locked --target x86_64-unknown-linux-musl --bins \
+ && install -D -m 0755 target/x86_64-unknown-linux-musl/release/whereabouts /out/whereabouts \
+ && install -D -m 0755 target/x86_64-unknown-linux-musl/release/whereabouts-operator /out/whereabouts-operator
 
-# Runtime: distroless (glibc, CA certificates, no shell, no package manager), non-root by default.
-# The CNI DaemonSet overrides the user to root for its hostPath writes (config/cni); the operator
-# runs as 65532 with a read-only root filesystem (config/operator).
-FROM gcr.io/distroless/cc-debian12:nonroot
+# The image from binaries built on the host by `make release`. No shell, no libc, no CA bundle:
+# every TLS peer (the API server, the webhook's clients) is verified against the cluster's CA.
+# Non-root by default: the node DaemonSet runs as root for its hostPath writes (config/cni); the
+# operator runs as 65532 with a read-only root filesystem (config/operator).
+FROM scratch AS local
+COPY target/x86_64-unknown-linux-musl/release/whereabouts target/x86_64-unknown-linux-musl/release/whereabouts-operator /usr/local/bin/
+USER 65532:65532
+EXPOSE 8080 8443
+ENTRYPOINT ["/usr/local/bin/whereabouts-operator"]
+CMD ["run"]
+
+# The default: the same image from the builder stage.
+FROM scratch AS image
 COPY --from=build /out/whereabouts /out/whereabouts-operator /usr/local/bin/
 USER 65532:65532
 EXPOSE 8080 8443

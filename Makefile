@@ -1,9 +1,9 @@
 # One task file for people and CI. `make test` is the README's test command; .ci/run calls it.
-.PHONY: test check unit e2e crds deps build release demo
+.PHONY: test check unit e2e node images crds deps build release demo
 
 CARGO ?= cargo
 
-test: check unit e2e
+test: check unit e2e node
 
 # Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
 check:
@@ -17,6 +17,14 @@ unit:
 e2e:
 	e2e/run-tests.sh
 
+# The node tier: the image on a real kubelet + containerd node, installed with kubectl apply -k.
+node:
+	e2e/run-node-tests.sh
+
+# The OCI images of the node tier (whereabouts, pause, busybox), built with buildah, no registry.
+images:
+	e2e/images.sh
+
 crds:
 	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
 	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml config/crd/
@@ -24,8 +32,9 @@ crds:
 build:
 	$(CARGO) build --bins
 
+# The release binaries: static (musl), as the image and every node need them.
 release:
-	$(CARGO) build --release --bins
+	$(CARGO) build --release --locked --target x86_64-unknown-linux-musl --bins
 
 # The README's demo: a local control plane, the operator, the webhook, sample NADs, pods; cleans up.
 demo:
@@ -35,3 +44,4 @@ demo:
 deps:
 	e2e/install-deps.sh
 	rustup component add clippy rustfmt
+	rustup target add x86_64-unknown-linux-musl

@@ -31,8 +31,8 @@ command -v sha256sum >/dev/null || die "sha256sum not found (coreutils)"
 module_of() {
   case "$1" in
     etcd) echo "$E2E_DIR/etcd" ;;
-    kube-apiserver|kube-controller-manager|kubectl) echo "$E2E_DIR/k8s" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl)" ;;
+    kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy)" ;;
   esac
 }
 package_of() {

@@ -207,6 +207,11 @@ make_pki() {
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:127.0.0.1,DNS:localhost,IP:10.96.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    # The API server's identity towards kubelets (logs, exec), for e2e/node.sh's node.
+    sign_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" \
+"basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
     # Cluster admin: the group system:masters bypasses RBAC.
     sign_cert admin "/O=system:masters/CN=kubernetes-admin" \
 "basicConstraints=CA:FALSE
@@ -301,6 +306,13 @@ take_lock() {
   flock -w 1800 9 || die "could not lock $E2E_DIR/cluster.sh within 1800 s (another up/down running?)"
 }
 
+# A node of e2e/node.sh keeps its state in STATE_DIR/node (mounts, containers, host links): it
+# goes first, by its own `down`.
+stop_node() {
+  [[ -d "$STATE_DIR/node" ]] || return 0
+  WHEREABOUTS_E2E_STATE="$STATE_DIR" "$E2E_DIR/node.sh" down 9<&- || log "node.sh down failed (see above)"
+}
+
 on_up_exit() {
   local rc=$?
   ((rc == 0)) && return 0
@@ -320,6 +332,7 @@ cmd_up() {
   fi
   if [[ -d "$STATE_DIR" ]]; then
     log "stale state in $STATE_DIR (not healthy): stopping leftovers and starting afresh"
+    stop_node
     stop_components
     rm -rf "$STATE_DIR"
   fi
@@ -389,6 +402,9 @@ EOF
   # --endpoint-reconciler-type=none: loopback is not a valid Endpoints
   #   address, and nothing here routes to the `kubernetes` service anyway.
   # --allow-privileged: CNI/IPAM DaemonSets usually ask for privileged pods.
+  # --enable-aggregator-routing: webhooks behind a Service are called at an endpoint's address,
+  #   since this API server runs outside any pod network and no kube-proxy serves it.
+  # --kubelet-*: reach e2e/node.sh's kubelet by its InternalIP, as a cluster CA client.
   start kube-apiserver \
     --bind-address=127.0.0.1 \
     --secure-port="$APISERVER_PORT" \
@@ -413,6 +429,10 @@ EOF
     --proxy-client-key-file="$PKI/front-proxy-client.key" \
     --endpoint-reconciler-type=none \
     --allow-privileged=true \
+    --enable-aggregator-routing=true \
+    --kubelet-preferred-address-types=InternalIP \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --v=1
   wait_for kube-apiserver "kube-apiserver /readyz on https://127.0.0.1:$APISERVER_PORT" readyz_ok
 
@@ -454,6 +474,7 @@ cmd_down() {
     log "nothing to do: $STATE_DIR does not exist"
     return 0
   fi
+  stop_node
   stop_components
   rm -rf "$STATE_DIR"
   log "down: stopped and removed $STATE_DIR"

@@ -22,6 +22,14 @@ set -euo pipefail
 #                                that the IPAM plugin is chained with in tests
 #   prometheus                   a real Prometheus scrapes the operator in the
 #                                metrics e2e test; promtool checks the alert rules
+# The real node (e2e/node.sh, e2e/images.sh):
+#   containerd, runc             the container runtime the kubelet drives
+#   iptables, conntrack          kube-proxy's iptables mode
+#   socat                        forwards the node address to the loopback-only API server
+#   buildah                      builds the images from the Dockerfile, no registry, no daemon
+#   musl-tools                   musl-gcc: the static (musl) release build and the pause binary
+#   busybox-static               the test workload image
+#   binutils                     readelf: the node tests check the plugin is static
 PACKAGES=(
   openssl
   python3
@@ -33,6 +41,15 @@ PACKAGES=(
   iproute2
   containernetworking-plugins
   prometheus
+  containerd
+  runc
+  iptables
+  conntrack
+  socat
+  buildah
+  musl-tools
+  busybox-static
+  binutils
 )
 
 if [[ "$(id -u)" != 0 ]]; then

@@ -1,0 +1,626 @@
+#!/usr/bin/env bash
+# A real Kubernetes node on this machine, joined to the control plane of e2e/cluster.sh:
+# containerd (Debian) + runc, kubelet, kube-proxy (iptables mode) and kube-scheduler, all built
+# or installed by the project; pods' eth0 (and eth1) come from Debian's `bridge` plugin with our
+# `whereabouts` as the IPAM, installed on the host by the whereabouts DaemonSet as on any node.
+#
+#   e2e/node.sh up      start the cluster if needed (e2e/cluster.sh up), build the images
+#                       (e2e/images.sh), start the node, wait until it is Ready; the LAST line of
+#                       stdout is the admin kubeconfig path. Idempotent.
+#   e2e/node.sh down    stop exactly what `up` started (pid files), remove the node's containers,
+#                       network namespaces, mounts, cgroups, links, iptables chain and host files.
+#   e2e/node.sh status  exit 0 if every node component runs and the Node is Ready.
+#   e2e/node.sh restart containerd|kubelet   stop one component and start it again (tests).
+#   e2e/node.sh stop kubelet / start kubelet  for node-failure tests.
+#   e2e/node.sh env     print the node's settings (NODE_DIR, NODE_NAME, CTR, images).
+#
+# Environment: WHEREABOUTS_E2E_STATE (the cluster's state folder; the node's is its node/),
+# WHEREABOUTS_E2E_TIMEOUT (seconds per wait, default 120), WHEREABOUTS_E2E_NODE_NETWORKS (1 or 2:
+# whereabouts networks per pod, default 2), WHEREABOUTS_E2E_IMAGES (images folder, default
+# e2e/.images).
+#
+# Addresses. Everything stays on this machine: the node's address 10.85.0.1 sits on `wab0`, a
+# bridge with no ports but the pods' veths; pods are 10.85.0.0/22 (eth0) and 10.86.0.0/22 (eth1,
+# bridge `wab1`, no host address); the Service range 10.96.0.0/16 is routed into `wab0`, so a
+# packet to a Service is either DNATed by kube-proxy or stays on the bridge; a guard chain drops
+# anything the pods would send out of another interface. The API server listens on loopback only;
+# socat forwards 10.85.0.1:6443 to it and is the `kubernetes` Service's endpoint, so pods and
+# host-network pods reach the API server the in-cluster way (10.96.0.1:443 through kube-proxy).
+set -euo pipefail
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+BIN_DIR="$E2E_DIR/bin"
+STATE_DIR="${WHEREABOUTS_E2E_STATE:-$E2E_DIR/.state}"
+case "$STATE_DIR" in /*) ;; *) STATE_DIR="$(pwd)/$STATE_DIR" ;; esac
+STATE_DIR="${STATE_DIR%/}"
+NODE_DIR="$STATE_DIR/node"
+IMAGES_DIR="${WHEREABOUTS_E2E_IMAGES:-$E2E_DIR/.images}"
+TIMEOUT="${WHEREABOUTS_E2E_TIMEOUT:-120}"
+NETWORKS="${WHEREABOUTS_E2E_NODE_NETWORKS:-2}"
+
+NODE_NAME=wab-node
+NODE_IP=10.85.0.1
+POD_BRIDGE=wab0
+POD_CIDR=10.85.0.0/22
+NET2_BRIDGE=wab1
+NET2_CIDR=10.86.0.0/22
+SERVICE_CIDR=10.96.0.0/16
+API_FORWARD_PORT=6443
+GUARD_CHAIN=WAB-NODE-GUARD
+# Where the DaemonSet installs the plugin and its flat file: the standard host paths.
+CNI_BIN_DIR=/opt/cni/bin
+CNI_HOST_CONF_DIR=/etc/cni/net.d
+DEBIAN_CNI_DIR=/usr/lib/cni
+SOCK="$NODE_DIR/containerd.sock"
+CTR=(ctr --address "$SOCK" --namespace k8s.io)
+# Start order; stops go in reverse.
+COMPONENTS=(containerd api-forward kube-scheduler kubelet kube-proxy)
+
+log() { printf '[node] %s\n' "$*" >&2; }
+die() { printf '[node] ERROR: %s\n' "$*" >&2; exit 1; }
+
+exe_of() {
+  case "$1" in
+    containerd) command -v containerd ;;
+    api-forward) command -v socat ;;
+    *) echo "$BIN_DIR/$1" ;;
+  esac
+}
+
+# -------------------------------------------------------------- processes (as cluster.sh)
+
+is_our_process() {
+  local pid="$1" exe want
+  [[ "$pid" =~ ^[0-9]+$ && -d "/proc/$pid" ]] || return 1
+  [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != "Z" ]] || return 1
+  want="$(exe_of "$2")"
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
+  exe="${exe% (deleted)}"
+  [[ "$exe" == "$want" ]] && return 0
+  { tr '\0' '\n' < "/proc/$pid/cmdline"; } 2>/dev/null | grep -qxF "$want"
+}
+
+pid_of() { cat "$NODE_DIR/$1.pid" 2>/dev/null || true; }
+
+stop_one() {
+  local name="$1" pid waited=0
+  pid="$(pid_of "$name")"
+  if [[ -n "$pid" ]] && is_our_process "$pid" "$name"; then
+    log "stopping $name (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    while is_our_process "$pid" "$name"; do
+      ((waited == 150)) && { log "$name ignored SIGTERM for 15 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; }
+      ((waited < 300)) || die "$name (pid $pid) did not exit after SIGKILL"
+      sleep 0.1
+      waited=$((waited + 1))
+    done
+  fi
+  rm -f "$NODE_DIR/$name.pid"
+}
+
+start() {
+  local name="$1"; shift
+  log "starting $name (log: $NODE_DIR/$name.log)"
+  # shellcheck disable=SC2016 # $$, $1 and $@ are for the inner bash
+  setsid bash -c 'echo $$ > "$1"; shift; exec "$@"' _ \
+    "$NODE_DIR/$name.pid" "$(exe_of "$name")" "$@" \
+    </dev/null >>"$NODE_DIR/$name.log" 2>&1 8<&- &
+  local i
+  for i in $(seq 50); do
+    [[ -s "$NODE_DIR/$name.pid" ]] && return 0
+    sleep 0.1
+  done
+  die "$name did not start (no pid file after 5 s)"
+}
+
+show_log() {
+  [[ -f "$NODE_DIR/$1.log" ]] || return 0
+  printf '[node] ----- last 30 lines of %s -----\n' "$NODE_DIR/$1.log" >&2
+  tail -n 30 "$NODE_DIR/$1.log" >&2 || true
+}
+
+wait_for() {
+  local name="$1" what="$2"; shift 2
+  local deadline=$((SECONDS + TIMEOUT))
+  until "$@" >/dev/null 2>&1; do
+    if ! is_our_process "$(pid_of "$name")" "$name"; then
+      show_log "$name"
+      die "$name exited while waiting for $what"
+    fi
+    if ((SECONDS >= deadline)); then
+      show_log "$name"
+      die "$what: not within $TIMEOUT s"
+    fi
+    sleep 0.5
+  done
+}
+
+kubectl_admin() { "$BIN_DIR/kubectl" --kubeconfig "$STATE_DIR/kubeconfig" "$@"; }
+
+free_ports() {
+  python3 - "$1" <<'EOF'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+# ------------------------------------------------------------------- identities
+
+# node_cert NAME SUBJECT EXT: a key and certificate signed by the cluster CA.
+node_cert() {
+  local name="$1" subj="$2" ext="$3" pki="$NODE_DIR/pki"
+  mkdir -p "$pki"
+  (
+    exec >>"$pki/openssl.log" 2>&1
+    openssl ecparam -name prime256v1 -genkey -noout -out "$pki/$name.key"
+    openssl req -new -key "$pki/$name.key" -subj "$subj" -out "$pki/$name.csr"
+    printf '%s\n' "$ext" > "$pki/$name.ext"
+    openssl x509 -req -in "$pki/$name.csr" -CA "$CA_CERT" -CAkey "$CA_KEY" -CAcreateserial \
+      -days 30 -sha256 -extfile "$pki/$name.ext" -out "$pki/$name.crt"
+    rm -f "$pki/$name.csr" "$pki/$name.ext"
+  )
+}
+
+client_identity() {
+  local name="$1" subj="$2"
+  node_cert "$name" "$subj" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  local kc="$NODE_DIR/$name.kubeconfig"
+  KUBECONFIG="$kc" "$BIN_DIR/kubectl" config set-cluster e2e --server="$APISERVER_URL" \
+    --certificate-authority="$CA_CERT" --embed-certs=true >/dev/null
+  KUBECONFIG="$kc" "$BIN_DIR/kubectl" config set-credentials "$name" \
+    --client-certificate="$NODE_DIR/pki/$name.crt" --client-key="$NODE_DIR/pki/$name.key" \
+    --embed-certs=true >/dev/null
+  KUBECONFIG="$kc" "$BIN_DIR/kubectl" config set-context e2e --cluster=e2e --user="$name" >/dev/null
+  KUBECONFIG="$kc" "$BIN_DIR/kubectl" config use-context e2e >/dev/null
+}
+
+# ------------------------------------------------------------------- host setup
+
+# Host files and folders the node creates outside its state folder, one path a line, so that
+# `down` removes exactly those (and what the DaemonSet installed into them).
+record() { printf '%s\n' "$1" >> "$NODE_DIR/host-paths"; }
+
+ensure_dir() {
+  [[ -d "$1" ]] && return 0
+  mkdir -p "$1"
+  record "$1"
+}
+
+setup_host() {
+  ensure_dir "$CNI_BIN_DIR"
+  ensure_dir "$CNI_HOST_CONF_DIR"
+  ensure_dir /run/whereabouts
+  ensure_dir /var/log/pods
+  ensure_dir /var/log/containers
+  # The runtime looks for every plugin in one folder; Debian's reference plugins live elsewhere.
+  local p
+  for p in bridge loopback host-local portmap; do
+    [[ -x "$DEBIAN_CNI_DIR/$p" ]] || die "$DEBIAN_CNI_DIR/$p missing (apt-get install containernetworking-plugins)"
+    if [[ ! -e "$CNI_BIN_DIR/$p" ]]; then
+      ln -s "$DEBIAN_CNI_DIR/$p" "$CNI_BIN_DIR/$p"
+      record "$CNI_BIN_DIR/$p"
+    fi
+  done
+  # What the DaemonSet installs: removed on `down` whoever wrote it last.
+  record "$CNI_BIN_DIR/whereabouts"
+  record "$CNI_HOST_CONF_DIR/whereabouts.d"
+
+  # The node's address, on a bridge that has no port to any real network.
+  ip link show "$POD_BRIDGE" >/dev/null 2>&1 || ip link add "$POD_BRIDGE" type bridge
+  ip addr replace "$NODE_IP/22" dev "$POD_BRIDGE"
+  ip link set "$POD_BRIDGE" up
+  ip link show "$NET2_BRIDGE" >/dev/null 2>&1 || ip link add "$NET2_BRIDGE" type bridge
+  ip link set "$NET2_BRIDGE" up
+  ip route replace "$SERVICE_CIDR" dev "$POD_BRIDGE" src "$NODE_IP"
+  # Nothing from a pod leaves by another interface (the bridge plugin turns on ip_forward).
+  iptables -w -N "$GUARD_CHAIN" 2>/dev/null || iptables -w -F "$GUARD_CHAIN"
+  iptables -w -A "$GUARD_CHAIN" -i "wab+" ! -o "wab+" -j DROP
+  iptables -w -C FORWARD -j "$GUARD_CHAIN" 2>/dev/null || iptables -w -I FORWARD 1 -j "$GUARD_CHAIN"
+  ip6tables -w -N "$GUARD_CHAIN" 2>/dev/null || ip6tables -w -F "$GUARD_CHAIN"
+  ip6tables -w -A "$GUARD_CHAIN" -i "wab+" ! -o "wab+" -j DROP
+  ip6tables -w -C FORWARD -j "$GUARD_CHAIN" 2>/dev/null || ip6tables -w -I FORWARD 1 -j "$GUARD_CHAIN"
+  # kube-proxy's Service rules for traffic that crosses the bridge.
+  sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
+}
+
+# The pod networks: eth0 from bridge wab0, eth1 from bridge wab1, both with our IPAM. containerd
+# loads up to max_conf_num configs, in file name order, as eth0, eth1, ...
+write_cni_configs() {
+  mkdir -p "$NODE_DIR/net.d"
+  cat > "$NODE_DIR/net.d/10-wab-pods.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "wab-pods", "plugins": [
+  {"type": "bridge", "bridge": "$POD_BRIDGE", "isGateway": true, "isDefaultGateway": true,
+   "ipMasq": false, "hairpinMode": true,
+   "ipam": {"type": "whereabouts", "range": "$POD_CIDR", "range_start": "10.85.0.10"}},
+  {"type": "portmap", "capabilities": {"portMappings": true}}
+]}
+EOF
+  if [[ "$NETWORKS" == 2 ]]; then
+    cat > "$NODE_DIR/net.d/20-wab-net2.conflist" <<EOF
+{"cniVersion": "1.0.0", "name": "wab-net2", "plugins": [
+  {"type": "bridge", "bridge": "$NET2_BRIDGE", "isGateway": false, "ipMasq": false,
+   "ipam": {"type": "whereabouts", "range": "$NET2_CIDR", "range_start": "10.86.0.10"}}
+]}
+EOF
+  else
+    rm -f "$NODE_DIR/net.d/20-wab-net2.conflist"
+  fi
+}
+
+write_containerd_config() {
+  cat > "$NODE_DIR/containerd.toml" <<EOF
+version = 2
+root = "$NODE_DIR/containerd/root"
+state = "$NODE_DIR/containerd/state"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
+[grpc]
+  address = "$SOCK"
+[ttrpc]
+  address = "$NODE_DIR/containerd.sock.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$NODE_DIR/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  # Processes here lack CAP_SYS_RESOURCE: lowering oom_score_adj below the runtime's own fails
+  # every sandbox ("can't get final child's PID from pipe: EOF").
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$CNI_BIN_DIR"
+    conf_dir = "$NODE_DIR/net.d"
+    max_conf_num = 2
+EOF
+}
+
+write_kubelet_config() {
+  cat > "$NODE_DIR/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# This machine mounts cgroup v1; kubelet 1.35+ refuses it unless told otherwise (KEP-5573).
+failCgroupV1: false
+cgroupDriver: cgroupfs
+containerRuntimeEndpoint: unix://$SOCK
+address: $NODE_IP
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+  x509: {clientCAFile: "$CA_CERT"}
+# Only holders of a cluster-CA certificate reach this port, on an address of this machine.
+authorization: {mode: AlwaysAllow}
+tlsCertFile: "$NODE_DIR/pki/kubelet-serving.crt"
+tlsPrivateKeyFile: "$NODE_DIR/pki/kubelet-serving.key"
+failSwapOn: false
+# The test machine's disk and memory are not the node's to defend.
+evictionHard: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+maxPods: 250
+serializeImagePulls: false
+clusterDomain: cluster.local
+resolvConf: ""
+EOF
+}
+
+write_proxy_config() {
+  cat > "$NODE_DIR/kube-proxy.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: "$NODE_DIR/kube-proxy.kubeconfig"
+mode: iptables
+hostnameOverride: $NODE_NAME
+bindAddress: 127.0.0.1
+healthzBindAddress: 127.0.0.1:$PROXY_HEALTHZ_PORT
+metricsBindAddress: 127.0.0.1:$PROXY_METRICS_PORT
+clusterCIDR: $POD_CIDR
+# Leave the machine's conntrack settings alone.
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+iptables: {localhostNodePorts: false}
+nodePortAddresses: ["$NODE_IP/32"]
+EOF
+}
+
+# The `kubernetes` Service's endpoint: the API server's forwarder on the node address. The API
+# server runs with --endpoint-reconciler-type=none (its own address is loopback, which is not a
+# valid endpoint), so this slice is the only one.
+publish_api_endpoint() {
+  kubectl_admin apply -f - >/dev/null <<EOF
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kubernetes-e2e-node
+  namespace: default
+  labels:
+    kubernetes.io/service-name: kubernetes
+    endpointslice.kubernetes.io/managed-by: e2e-node.whereabouts
+addressType: IPv4
+endpoints:
+  - addresses: ["$NODE_IP"]
+    conditions: {ready: true}
+ports:
+  - name: https
+    port: $API_FORWARD_PORT
+    protocol: TCP
+EOF
+}
+
+import_images() {
+  local a
+  for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE"; do
+    "${CTR[@]}" images import "$a" >/dev/null \
+      || die "ctr images import $a failed"
+  done
+}
+
+node_ready() {
+  [[ "$(kubectl_admin get node "$NODE_NAME" \
+    -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" == True ]]
+}
+
+healthy() {
+  local name
+  for name in "${COMPONENTS[@]}"; do
+    is_our_process "$(pid_of "$name")" "$name" || return 1
+  done
+  node_ready
+}
+
+load_env() {
+  [[ -f "$STATE_DIR/cluster.env" ]] || die "no cluster env at $STATE_DIR/cluster.env"
+  # shellcheck disable=SC1091
+  source "$STATE_DIR/cluster.env"
+  [[ -f "$IMAGES_DIR/images.env" ]] || die "no images at $IMAGES_DIR (run e2e/images.sh)"
+  # shellcheck disable=SC1091
+  source "$IMAGES_DIR/images.env"
+  [[ -f "$NODE_DIR/ports.env" ]] && source "$NODE_DIR/ports.env"
+  return 0
+}
+
+start_containerd() {
+  start containerd --config "$NODE_DIR/containerd.toml" --log-level warn
+  wait_for containerd "containerd on $SOCK" "${CTR[@]}" version
+}
+
+start_kubelet() {
+  start kubelet \
+    --config="$NODE_DIR/kubelet.yaml" \
+    --kubeconfig="$NODE_DIR/kubelet.kubeconfig" \
+    --hostname-override="$NODE_NAME" \
+    --node-ip="$NODE_IP" \
+    --root-dir="$NODE_DIR/kubelet" \
+    --v=1
+  wait_for kubelet "kubelet /healthz" curl -fsS --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
+}
+
+cmd_up() {
+  local kubeconfig
+  # (fd 8, this script's lock, is not handed to the control plane's daemons)
+  kubeconfig="$("$E2E_DIR/cluster.sh" up 8<&- | tail -n 1)" || die "e2e/cluster.sh up failed"
+  if [[ -d "$NODE_DIR" ]] && healthy 2>/dev/null; then
+    log "already up"
+    echo "$kubeconfig"
+    return 0
+  fi
+  [[ -d "$NODE_DIR" ]] && { log "stale node state: tearing it down first"; cmd_down; }
+  [[ "$(id -u)" == 0 ]] || die "must run as root (containerd, network links, iptables)"
+  local tool
+  for tool in containerd containerd-shim-runc-v2 runc ctr socat iptables ip6tables ip openssl curl python3 setsid; do
+    command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
+  done
+  if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" != 1 ]]; then
+    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy || die "build failed (e2e/build.sh)"
+    "$E2E_DIR/images.sh" "$IMAGES_DIR" || die "image build failed (e2e/images.sh)"
+  fi
+  for tool in kubelet kube-scheduler kube-proxy; do
+    [[ -x "$BIN_DIR/$tool" ]] || die "$BIN_DIR/$tool missing (e2e/build.sh $tool)"
+  done
+  mkdir -p "$NODE_DIR"
+  trap on_up_exit EXIT
+  load_env
+
+  local ports
+  ports="$(free_ports 4)"
+  read -r KUBELET_HEALTHZ_PORT PROXY_HEALTHZ_PORT PROXY_METRICS_PORT SCHED_PORT <<<"$ports"
+  cat > "$NODE_DIR/ports.env" <<EOF
+KUBELET_HEALTHZ_PORT=$KUBELET_HEALTHZ_PORT
+PROXY_HEALTHZ_PORT=$PROXY_HEALTHZ_PORT
+PROXY_METRICS_PORT=$PROXY_METRICS_PORT
+SCHED_PORT=$SCHED_PORT
+EOF
+
+  log "identities: kubelet, kube-proxy, kube-scheduler (signed by the cluster CA)"
+  client_identity kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
+  client_identity kube-proxy "/CN=system:kube-proxy"
+  client_identity kube-scheduler "/CN=system:kube-scheduler"
+  node_cert kubelet-serving "/CN=$NODE_NAME" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=IP:$NODE_IP,DNS:$NODE_NAME"
+
+  log "host: bridges $POD_BRIDGE ($NODE_IP) and $NET2_BRIDGE, route for $SERVICE_CIDR, guard chain"
+  setup_host
+  write_cni_configs
+  write_containerd_config
+  write_kubelet_config
+  write_proxy_config
+
+  start_containerd
+  import_images
+
+  start api-forward "TCP-LISTEN:$API_FORWARD_PORT,bind=$NODE_IP,reuseaddr,fork" "TCP:127.0.0.1:$APISERVER_PORT"
+  publish_api_endpoint
+
+  start kube-scheduler \
+    --kubeconfig="$NODE_DIR/kube-scheduler.kubeconfig" \
+    --authentication-kubeconfig="$NODE_DIR/kube-scheduler.kubeconfig" \
+    --authorization-kubeconfig="$NODE_DIR/kube-scheduler.kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false --v=1
+  wait_for kube-scheduler "kube-scheduler /healthz" curl -fsSk --max-time 2 "https://127.0.0.1:$SCHED_PORT/healthz"
+
+  # The kubelet registers the Node, which kube-proxy waits for.
+  start_kubelet
+  start kube-proxy --config="$NODE_DIR/kube-proxy.yaml" --v=1
+  wait_for kube-proxy "kube-proxy /healthz" curl -fsS --max-time 2 "http://127.0.0.1:$PROXY_HEALTHZ_PORT/healthz"
+  wait_for kubelet "Node $NODE_NAME Ready" node_ready
+
+  trap - EXIT
+  log "up: node $NODE_NAME Ready ($NETWORKS whereabouts network(s) per pod), state in $NODE_DIR"
+  echo "$kubeconfig"
+}
+
+on_up_exit() {
+  local rc=$?
+  ((rc == 0)) && return 0
+  log "up failed (exit $rc); stopping what was started (logs stay in $NODE_DIR until 'down')"
+  stop_all || true
+  exit "$rc"
+}
+
+# Every pod sandbox and container the runtime holds, stopped and removed: their network
+# namespaces go with them (the CNI DELs of the runtime free their addresses while the API server
+# is up).
+remove_containers() {
+  local id
+  "${CTR[@]}" version >/dev/null 2>&1 || return 0
+  for id in $("${CTR[@]}" tasks list -q 2>/dev/null); do
+    "${CTR[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true
+  done
+  sleep 0.5
+  for id in $("${CTR[@]}" tasks list -q 2>/dev/null); do
+    "${CTR[@]}" tasks delete -f "$id" >/dev/null 2>&1 || true
+  done
+  for id in $("${CTR[@]}" containers list -q 2>/dev/null); do
+    "${CTR[@]}" containers delete "$id" >/dev/null 2>&1 || true
+  done
+}
+
+stop_all() {
+  local i
+  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+    [[ "${COMPONENTS[$i]}" == containerd ]] && remove_containers
+    stop_one "${COMPONENTS[$i]}"
+  done
+}
+
+cleanup_host() {
+  local m ns path
+  # Mounts under the node's folder (pod volumes, rootfs, shm), deepest first.
+  for m in $(awk -v d="$NODE_DIR/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r); do
+    umount -l "$m" 2>/dev/null || true
+  done
+  # Network namespaces the runtime made (cni-<uuid>).
+  for ns in $(ip netns list 2>/dev/null | awk '/^cni-/ {print $1}'); do
+    ip netns delete "$ns" 2>/dev/null || true
+  done
+  # Empty cgroups of the kubelet's pods (cgroup v1: one tree per controller).
+  for path in /sys/fs/cgroup/*/kubepods; do
+    [[ -d "$path" ]] && find "$path" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
+  ip link del "$POD_BRIDGE" 2>/dev/null || true
+  ip link del "$NET2_BRIDGE" 2>/dev/null || true
+  ip route del "$SERVICE_CIDR" 2>/dev/null || true
+  local t
+  for t in iptables ip6tables; do
+    while $t -w -D FORWARD -j "$GUARD_CHAIN" 2>/dev/null; do :; done
+    $t -w -F "$GUARD_CHAIN" 2>/dev/null || true
+    $t -w -X "$GUARD_CHAIN" 2>/dev/null || true
+  done
+  # kube-proxy's own chains (it leaves them when it stops).
+  [[ -x "$BIN_DIR/kube-proxy" ]] && "$BIN_DIR/kube-proxy" --cleanup >/dev/null 2>&1 || true
+  # Host paths this node created, newest first.
+  if [[ -f "$NODE_DIR/host-paths" ]]; then
+    tac "$NODE_DIR/host-paths" | while read -r path; do
+      [[ -n "$path" ]] && rm -rf -- "$path"
+    done
+  fi
+}
+
+cmd_down() {
+  if [[ ! -d "$NODE_DIR" ]]; then
+    log "nothing to do: $NODE_DIR does not exist"
+    return 0
+  fi
+  if [[ -f "$STATE_DIR/kubeconfig" ]]; then
+    kubectl_admin delete node "$NODE_NAME" --wait=false >/dev/null 2>&1 || true
+    kubectl_admin -n default delete endpointslice kubernetes-e2e-node --wait=false >/dev/null 2>&1 || true
+  fi
+  stop_all
+  cleanup_host
+  rm -rf "$NODE_DIR"
+  log "down: node stopped and removed"
+}
+
+cmd_status() {
+  local name rc=0
+  for name in "${COMPONENTS[@]}"; do
+    if is_our_process "$(pid_of "$name")" "$name"; then log "$name: running (pid $(pid_of "$name"))"
+    else log "$name: not running"; rc=1; fi
+  done
+  if node_ready; then log "node $NODE_NAME: Ready"; else log "node $NODE_NAME: not Ready"; rc=1; fi
+  return "$rc"
+}
+
+cmd_component() {
+  local verb="$1" name="${2:-}"
+  [[ -d "$NODE_DIR" ]] || die "no node (run: $0 up)"
+  load_env
+  case "$name" in
+    containerd|kubelet) ;;
+    *) die "$verb: want containerd or kubelet, got '$name'" ;;
+  esac
+  if [[ "$verb" == stop || "$verb" == restart ]]; then stop_one "$name"; fi
+  if [[ "$verb" == start || "$verb" == restart ]]; then
+    is_our_process "$(pid_of "$name")" "$name" && die "$name is already running"
+    "start_$name"
+  fi
+}
+
+cmd_env() {
+  [[ -d "$NODE_DIR" ]] || die "no node (run: $0 up)"
+  load_env
+  cat <<EOF
+NODE_DIR=$NODE_DIR
+NODE_NAME=$NODE_NAME
+NODE_IP=$NODE_IP
+CNI_CONF_DIR=$NODE_DIR/net.d
+NETWORKS=$([[ -f "$NODE_DIR/net.d/20-wab-net2.conflist" ]] && echo 2 || echo 1)
+CONTAINERD_SOCKET=$SOCK
+WHEREABOUTS_IMAGE=$WHEREABOUTS_IMAGE
+PAUSE_IMAGE=$PAUSE_IMAGE
+BUSYBOX_IMAGE=$BUSYBOX_IMAGE
+EOF
+}
+
+# up/down/restart of one node are serialized (a test may call `up` from several threads).
+# cluster.sh, called by `up` with the lock held, may call `down` for a stale node: no second lock.
+if [[ "${WHEREABOUTS_E2E_NODE_LOCKED:-0}" != 1 ]]; then
+  exec 8<"$E2E_DIR/node.sh"
+  flock -w 1800 8 || die "could not lock e2e/node.sh within 1800 s"
+  export WHEREABOUTS_E2E_NODE_LOCKED=1
+fi
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  env) cmd_env ;;
+  restart|stop|start) cmd_component "$1" "${2:-}" ;;
+  *) echo "usage: $0 up|down|status|env|restart COMPONENT|stop kubelet|start kubelet" >&2; exit 2 ;;
+esac

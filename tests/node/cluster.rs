@@ -1,0 +1,406 @@
+//! The node, the install (the README's "Install on a cluster" steps, run once), and workloads.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::harness::{kubectl_raw, repo};
+
+pub const POOL_NAMESPACE: &str = "kube-system";
+/// The pools of the node's two pod networks (e2e/node.sh): eth0 and eth1.
+pub const POD_POOL: &str = "10.85.0.0-22";
+pub const NET2_POOL: &str = "10.86.0.0-22";
+pub const SYSTEM_NS: &str = "whereabouts-system";
+
+pub struct Node {
+    pub kubeconfig: PathBuf,
+    /// `e2e/node.sh env`: NODE_DIR, NODE_NAME, WHEREABOUTS_IMAGE, CONTAINERD_SOCKET, ...
+    pub env: BTreeMap<String, String>,
+}
+
+impl Node {
+    pub fn get(&self, key: &str) -> &str {
+        self.env
+            .get(key)
+            .unwrap_or_else(|| panic!("node.sh env has no {key}"))
+    }
+
+    /// `e2e/node.sh VERB [ARG]` (restart containerd, stop kubelet, ...).
+    pub fn script(&self, verb: &str, arg: &str) {
+        let out = Command::new(repo().join("e2e/node.sh"))
+            .args([verb, arg])
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run e2e/node.sh");
+        assert!(out.status.success(), "e2e/node.sh {verb} {arg} failed");
+    }
+
+    /// `ctr` against the node's containerd, in the Kubernetes namespace.
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        Command::new("ctr")
+            .args(["--address", self.get("CONTAINERD_SOCKET"), "-n", "k8s.io"])
+            .args(args)
+            .output()
+            .expect("run ctr")
+    }
+}
+
+/// The node, started (or reused) once per test process, with whereabouts installed on it.
+pub fn node() -> &'static Node {
+    static NODE: OnceLock<Node> = OnceLock::new();
+    NODE.get_or_init(|| {
+        let out = Command::new(repo().join("e2e/node.sh"))
+            .arg("up")
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run e2e/node.sh up");
+        assert!(out.status.success(), "e2e/node.sh up failed");
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let kubeconfig = PathBuf::from(stdout.lines().last().expect("a kubeconfig path").trim());
+        let env = Command::new(repo().join("e2e/node.sh"))
+            .arg("env")
+            .output()
+            .expect("run e2e/node.sh env");
+        let env = String::from_utf8(env.stdout)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let node = Node { kubeconfig, env };
+        install(&node);
+        node
+    })
+}
+
+pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    kubectl_raw(&node().kubeconfig, args, stdin)
+}
+
+fn kubectl_checked(kubeconfig: &std::path::Path, args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl_raw(kubeconfig, args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+pub fn kubectl_ok(args: &[&str]) -> String {
+    kubectl_checked(&node().kubeconfig, args, None)
+}
+
+pub fn get_json(args: &[&str]) -> Option<Value> {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    let out = kubectl(&all, None);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// The README's "Install on a cluster", command for command (e2e/install.sh), with the image
+/// built here.
+fn install(node: &Node) {
+    // A node kept from an earlier run (a developer re-running one test) is installed already.
+    if kubectl_raw(
+        &node.kubeconfig,
+        &["-n", SYSTEM_NS, "get", "daemonset", "whereabouts-node"],
+        None,
+    )
+    .status
+    .success()
+    {
+        eprintln!("whereabouts is installed on this node already: not installing again");
+        return;
+    }
+    let out = Command::new(repo().join("e2e/install.sh"))
+        .arg(node.get("WHEREABOUTS_IMAGE"))
+        .env("KUBECONFIG", &node.kubeconfig)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run e2e/install.sh");
+    assert!(out.status.success(), "e2e/install.sh failed");
+}
+
+/// Polls `check` every 500 ms for up to `secs`; panics with `what` and the last state if it never
+/// holds.
+pub fn wait_until(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(state) if Instant::now() >= deadline => {
+                panic!("{what}: not within {secs} s; last state: {state}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
+/// A pool's allocations (offset -> entry), empty if the pool does not exist.
+pub fn pool_entries(pool: &str) -> BTreeMap<String, Value> {
+    get_json(&["-n", POOL_NAMESPACE, "get", "ippool", pool])
+        .and_then(|p| p["spec"]["allocations"].as_object().cloned())
+        .map(|m| m.into_iter().collect())
+        .unwrap_or_default()
+}
+
+/// The pool entries of pods in `ns`: podref -> (offset, container id), one per pod.
+pub fn entries_of(pool: &str, ns: &str) -> Vec<(String, String, String)> {
+    let prefix = format!("{ns}/");
+    pool_entries(pool)
+        .into_iter()
+        .filter(|(_, e)| e["podref"].as_str().is_some_and(|p| p.starts_with(&prefix)))
+        .map(|(offset, e)| {
+            (
+                e["podref"].as_str().unwrap().to_string(),
+                offset,
+                e["id"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The overlapping-range reservations held by pods of `ns`.
+pub fn reservations_of(ns: &str) -> usize {
+    let prefix = format!("{ns}/");
+    get_json(&[
+        "-n",
+        POOL_NAMESPACE,
+        "get",
+        "overlappingrangeipreservations",
+    ])
+    .map(|l| {
+        l["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| {
+                r["spec"]["podref"]
+                    .as_str()
+                    .is_some_and(|p| p.starts_with(&prefix))
+            })
+            .count()
+    })
+    .unwrap_or(0)
+}
+
+/// A test namespace with a busybox workload template; deleted when dropped.
+pub struct Workload {
+    pub ns: String,
+}
+
+/// What each test pod runs: prints its interfaces (the log shows the address on eth0 and eth1),
+/// then idles until told to stop.
+pub const POD_COMMAND: &str =
+    "ip -o -4 addr show; trap 'exit 0' TERM; while true; do sleep 1; done";
+
+impl Workload {
+    pub fn new(prefix: &str) -> Workload {
+        node();
+        let ns = format!(
+            "node-{prefix}-{}",
+            fastrand::u32(..).to_string().get(..5).unwrap_or("0")
+        );
+        kubectl_ok(&["create", "namespace", &ns]);
+        // The controller manager makes the `default` ServiceAccount; pods need it.
+        wait_until(60, "default ServiceAccount", || {
+            get_json(&["-n", &ns, "get", "serviceaccount", "default"])
+                .map(|_| ())
+                .ok_or_else(|| "missing".into())
+        });
+        Workload { ns }
+    }
+
+    pub fn apply(&self, yaml: &str) {
+        kubectl_checked(
+            &node().kubeconfig,
+            &["-n", &self.ns, "apply", "-f", "-"],
+            Some(yaml),
+        );
+    }
+
+    /// The test pods' spec, each line indented by `indent` spaces.
+    pub fn pod_spec(&self, indent: usize) -> String {
+        let spec = format!(
+            r#"terminationGracePeriodSeconds: 2
+automountServiceAccountToken: false
+enableServiceLinks: false
+containers:
+  - name: main
+    image: {}
+    imagePullPolicy: Never
+    command: ["/bin/sh", "-c", "{POD_COMMAND}"]"#,
+            node().get("BUSYBOX_IMAGE")
+        );
+        let pad = " ".repeat(indent);
+        spec.lines()
+            .map(|l| format!("{pad}{l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// A Deployment `name` of `replicas` test pods.
+    pub fn deployment(&self, name: &str, replicas: u32) {
+        self.apply(&format!(
+            r#"apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: {name}}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata: {{labels: {{app: {name}}}}}
+    spec:
+{}
+"#,
+            self.pod_spec(6)
+        ));
+    }
+
+    pub fn scale(&self, kind_name: &str, replicas: u32) {
+        kubectl_ok(&[
+            "-n",
+            &self.ns,
+            "scale",
+            kind_name,
+            &format!("--replicas={replicas}"),
+        ]);
+    }
+
+    /// The namespace's pods (optionally of one label selector).
+    pub fn pods(&self, selector: Option<&str>) -> Vec<Value> {
+        let mut args = vec!["-n", &self.ns, "get", "pods"];
+        if let Some(s) = selector {
+            args.extend(["-l", s]);
+        }
+        get_json(&args)
+            .map(|l| l["items"].as_array().unwrap().clone())
+            .unwrap_or_default()
+    }
+
+    /// Waits until exactly `n` pods of `selector` exist, all Running and Ready, none terminating.
+    pub fn wait_running(&self, selector: &str, n: usize, secs: u64) -> Vec<Value> {
+        let mut pods = vec![];
+        wait_until(secs, &format!("{n} pods {selector} Running"), || {
+            pods = self.pods(Some(selector));
+            let ready = pods.iter().filter(|p| is_ready(p)).count();
+            let terminating = pods
+                .iter()
+                .filter(|p| !p["metadata"]["deletionTimestamp"].is_null())
+                .count();
+            if pods.len() == n && ready == n && terminating == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} pods, {ready} ready, {terminating} terminating: {}",
+                    pods.len(),
+                    summary(&pods)
+                ))
+            }
+        });
+        pods
+    }
+
+    /// Waits until no pod of `selector` is left.
+    pub fn wait_gone(&self, selector: &str, secs: u64) {
+        wait_until(secs, &format!("pods {selector} gone"), || {
+            let pods = self.pods(Some(selector));
+            if pods.is_empty() {
+                Ok(())
+            } else {
+                Err(summary(&pods))
+            }
+        });
+    }
+
+    pub fn logs(&self, pod: &str) -> String {
+        kubectl_ok(&["-n", &self.ns, "logs", pod, "-c", "main"])
+    }
+
+    /// Warning events of the namespace with `reason`.
+    pub fn events(&self, reason: &str) -> Vec<String> {
+        get_json(&["-n", &self.ns, "get", "events"])
+            .map(|l| {
+                l["items"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|e| e["reason"] == reason)
+                    .map(|e| format!("{}: {}", e["involvedObject"]["name"], e["message"]))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = kubectl(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+pub fn is_ready(pod: &Value) -> bool {
+    pod["status"]["phase"] == "Running"
+        && pod["status"]["conditions"].as_array().is_some_and(|c| {
+            c.iter()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        })
+}
+
+pub fn summary(pods: &[Value]) -> String {
+    pods.iter()
+        .map(|p| {
+            format!(
+                "{}={}{}",
+                p["metadata"]["name"].as_str().unwrap_or("?"),
+                p["status"]["phase"].as_str().unwrap_or("?"),
+                if p["metadata"]["deletionTimestamp"].is_null() {
+                    ""
+                } else {
+                    "(terminating)"
+                }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Each pod's addresses on eth0 and eth1 as its own log shows them (`ip -o -4 addr show`).
+pub fn logged_addresses(log: &str) -> BTreeMap<String, String> {
+    log.lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            let _index = words.next()?;
+            let ifname = words.next()?;
+            (words.next()? == "inet").then_some(())?;
+            let cidr = words.next()?;
+            Some((ifname.to_string(), cidr.split('/').next()?.to_string()))
+        })
+        .filter(|(ifname, _)| ifname != "lo")
+        .collect()
+}
+
+/// The pods' eth0 addresses (status.podIP): all distinct, or a panic naming the duplicates.
+pub fn distinct_pod_ips(pods: &[Value]) -> BTreeSet<String> {
+    let ips: Vec<String> = pods
+        .iter()
+        .map(|p| {
+            p["status"]["podIP"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    let set: BTreeSet<String> = ips.iter().cloned().collect();
+    assert_eq!(set.len(), ips.len(), "duplicate pod IPs: {ips:?}");
+    assert!(!set.contains(""), "a pod without an IP: {ips:?}");
+    set
+}

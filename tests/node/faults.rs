@@ -1,0 +1,271 @@
+//! The node misbehaving: a kubelet that dies with its pods force-deleted, the agent and containerd
+//! restarted under load, the DaemonSet rolled while pods start.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use crate::cluster::{
+    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, distinct_pod_ips, entries_of, get_json, kubectl_ok,
+    node, reservations_of, wait_until,
+};
+
+/// The pool entries of `ns` and its reservations match `pods` exactly (one per pod per network).
+fn converged(w: &Workload, pods: usize) -> Result<(), String> {
+    let state = (
+        entries_of(POD_POOL, &w.ns).len(),
+        entries_of(NET2_POOL, &w.ns).len(),
+        reservations_of(&w.ns),
+    );
+    if state == (pods, pods, 2 * pods) {
+        Ok(())
+    } else {
+        Err(format!(
+            "eth0 entries, eth1 entries, reservations: {state:?}, want {pods} each"
+        ))
+    }
+}
+
+/// podIP by pod name.
+fn ips(pods: &[serde_json::Value]) -> BTreeMap<String, String> {
+    pods.iter()
+        .map(|p| {
+            (
+                p["metadata"]["name"].as_str().unwrap().to_string(),
+                p["status"]["podIP"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+fn bare_pod(w: &Workload, name: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, labels: {{app: bare}}}}\nspec:\n{}\n",
+        w.pod_spec(2)
+    )
+}
+
+#[test]
+fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless() {
+    let node = node();
+    let w = Workload::new("nodefail");
+    w.deployment("keep", 3);
+    for i in 0..4 {
+        w.apply(&bare_pod(&w, &format!("doomed-{i}")));
+    }
+    let keep = ips(&w.wait_running("app=keep", 3, 180));
+    let doomed = w.wait_running("app=bare", 4, 180);
+    let doomed_containers: BTreeSet<String> = entries_of(POD_POOL, &w.ns)
+        .into_iter()
+        .filter(|e| e.0.contains("/doomed-"))
+        .map(|e| e.2)
+        .collect();
+    assert_eq!(doomed_containers.len(), 4);
+    distinct_pod_ips(&doomed);
+
+    // The kubelet dies; its containers keep running. The pods are force-deleted from the API.
+    node.script("stop", "kubelet");
+    let stopped = Instant::now();
+    kubectl_ok(&[
+        "-n",
+        &w.ns,
+        "delete",
+        "pod",
+        "-l",
+        "app=bare",
+        "--force",
+        "--grace-period=0",
+    ]);
+    // The operator frees their addresses with no DEL from the runtime.
+    wait_until(
+        90,
+        "the operator frees the force-deleted pods' entries",
+        || {
+            let left: Vec<_> = entries_of(POD_POOL, &w.ns)
+                .into_iter()
+                .chain(entries_of(NET2_POOL, &w.ns))
+                .filter(|e| e.0.contains("/doomed-"))
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    );
+    // New pods, created while the kubelet is down, will take the freed addresses (lowest first).
+    for i in 0..4 {
+        w.apply(&bare_pod(&w, &format!("fresh-{i}")));
+    }
+    assert!(
+        stopped.elapsed() < Duration::from_secs(35),
+        "the kubelet was down for {:?}: the node would go NotReady and evict",
+        stopped.elapsed()
+    );
+    node.script("start", "kubelet");
+    // The kubelet kills the dead pods' sandboxes (CNI DEL with their container ids) and starts the
+    // fresh pods (CNI ADD), in whatever order.
+    let fresh = w.wait_running("app=bare", 4, 180);
+    let fresh_ips = distinct_pod_ips(&fresh);
+    let keep_now = ips(&w.wait_running("app=keep", 3, 60));
+    assert_eq!(keep, keep_now, "a live pod's address changed");
+    assert!(
+        fresh_ips.is_disjoint(&keep.values().cloned().collect()),
+        "a fresh pod got a live pod's address"
+    );
+    wait_until(60, "the dead sandboxes are gone from the runtime", || {
+        let out = node.ctr(&["containers", "list", "-q"]);
+        let listed = String::from_utf8_lossy(&out.stdout).to_string();
+        let left: Vec<_> = doomed_containers
+            .iter()
+            .filter(|c| listed.contains(c.as_str()))
+            .collect();
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    });
+    wait_until(60, "pools hold exactly the live pods", || converged(&w, 7));
+    let held: BTreeSet<String> = entries_of(POD_POOL, &w.ns)
+        .into_iter()
+        .map(|e| e.2)
+        .collect();
+    assert!(held.is_disjoint(&doomed_containers), "{held:?}");
+}
+
+/// The agent container's task ids on the node (the runtime's view).
+fn agent_tasks() -> Vec<String> {
+    let pod = get_json(&[
+        "-n",
+        SYSTEM_NS,
+        "get",
+        "pods",
+        "-l",
+        "app.kubernetes.io/name=whereabouts-node",
+    ])
+    .unwrap();
+    pod["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| {
+            p["status"]["containerStatuses"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter(|c| c["name"] == "agent")
+        .filter_map(|c| {
+            c["containerID"]
+                .as_str()
+                .and_then(|id| id.strip_prefix("containerd://"))
+                .map(str::to_string)
+        })
+        .collect()
+}
+
+#[test]
+fn killing_the_agent_and_restarting_containerd_under_load_loses_nothing() {
+    let node = node();
+    let w = Workload::new("restarts");
+    w.deployment("web", 0);
+    w.scale("deployment/web", 40);
+    // Let the burst get going, then kill the agent mid-burst.
+    wait_until(60, "the first pods running", || {
+        let n = w
+            .pods(Some("app=web"))
+            .iter()
+            .filter(|p| crate::cluster::is_ready(p))
+            .count();
+        if n >= 3 { Ok(()) } else { Err(format!("{n}")) }
+    });
+    let agents = agent_tasks();
+    assert_eq!(agents.len(), 1, "one agent container: {agents:?}");
+    let kill = node.ctr(&["tasks", "kill", "-s", "SIGKILL", &agents[0]]);
+    assert!(
+        kill.status.success(),
+        "ctr tasks kill: {}",
+        String::from_utf8_lossy(&kill.stderr)
+    );
+    node.script("restart", "containerd");
+
+    let pods = w.wait_running("app=web", 40, 420);
+    distinct_pod_ips(&pods);
+    wait_until(120, "pools hold exactly the 40 pods", || converged(&w, 40));
+    // The agent was really restarted by the kubelet.
+    wait_until(60, "a new agent container", || {
+        let now = agent_tasks();
+        if now.len() == 1 && now[0] != agents[0] {
+            Ok(())
+        } else {
+            Err(format!("{now:?}"))
+        }
+    });
+    w.scale("deployment/web", 0);
+    w.wait_gone("app=web", 240);
+    wait_until(60, "nothing left in the pools", || converged(&w, 0));
+}
+
+#[test]
+fn a_rolling_update_of_the_daemonset_while_pods_start_fails_no_pod_for_good() {
+    let node = node();
+    let w = Workload::new("rollout");
+    // A new tag of the same image, as a release would bring.
+    let image = node.get("WHEREABOUTS_IMAGE").to_string();
+    let next = format!("{image}-next");
+    let tag = node.ctr(&["images", "tag", "--force", &image, &next]);
+    assert!(
+        tag.status.success(),
+        "ctr images tag: {}",
+        String::from_utf8_lossy(&tag.stderr)
+    );
+    w.deployment("web", 0);
+    w.scale("deployment/web", 30);
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "set",
+        "image",
+        "daemonset/whereabouts-node",
+        &format!("install-cni={next}"),
+        &format!("agent={next}"),
+    ]);
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "rollout",
+        "status",
+        "daemonset/whereabouts-node",
+        "--timeout=180s",
+    ]);
+    let pods = w.wait_running("app=web", 30, 420);
+    distinct_pod_ips(&pods);
+    wait_until(60, "pools hold exactly the 30 pods", || converged(&w, 30));
+    // Every failed sandbox was retried into a running pod; say how many failed on the way.
+    let failed = w.events("FailedCreatePodSandBox");
+    eprintln!(
+        "rolling update: {} sandbox creations failed and were retried: {failed:?}",
+        failed.len()
+    );
+    // Back to the installed image, for the tests that follow.
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "set",
+        "image",
+        "daemonset/whereabouts-node",
+        &format!("install-cni={image}"),
+        &format!("agent={image}"),
+    ]);
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "rollout",
+        "status",
+        "daemonset/whereabouts-node",
+        "--timeout=180s",
+    ]);
+}

@@ -1,0 +1,128 @@
+//! Real pods through the real runtime: a Deployment of 60 and back to 0, and the StatefulSet
+//! replacement that upstream's cleanup got wrong.
+
+use std::collections::BTreeSet;
+
+use crate::cluster::{
+    NET2_POOL, POD_POOL, Workload, distinct_pod_ips, entries_of, logged_addresses, reservations_of,
+    wait_until,
+};
+
+/// Every pod's eth0 address is its podIP and its pool entry; eth1 likewise in the second pool.
+fn check_pods_against_pools(w: &Workload, pods: &[serde_json::Value]) {
+    let ips = distinct_pod_ips(pods);
+    let mut eth1 = BTreeSet::new();
+    for p in pods {
+        let name = p["metadata"]["name"].as_str().unwrap();
+        let logged = logged_addresses(&w.logs(name));
+        assert_eq!(
+            logged.get("eth0").map(String::as_str),
+            p["status"]["podIP"].as_str(),
+            "{name} sees {logged:?}"
+        );
+        let second = logged
+            .get("eth1")
+            .unwrap_or_else(|| panic!("{name}: no eth1: {logged:?}"));
+        assert!(eth1.insert(second.clone()), "eth1 {second} held twice");
+    }
+    // The pools hold exactly these pods, one entry each, and nothing else of this namespace.
+    for (pool, want) in [(POD_POOL, &ips), (NET2_POOL, &eth1)] {
+        let entries = entries_of(pool, &w.ns);
+        assert_eq!(entries.len(), pods.len(), "{pool}: {entries:?}");
+        let pods_in_pool: BTreeSet<&str> = entries.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(pods_in_pool.len(), pods.len(), "{pool}: a pod twice");
+        let base: std::net::Ipv4Addr = pool.split('-').next().unwrap().parse().unwrap();
+        let addresses: BTreeSet<String> = entries
+            .iter()
+            .map(|e| {
+                std::net::Ipv4Addr::from(u32::from(base) + e.1.parse::<u32>().unwrap()).to_string()
+            })
+            .collect();
+        assert_eq!(&addresses, want, "{pool}: pool and pods disagree");
+    }
+    assert_eq!(reservations_of(&w.ns), 2 * pods.len(), "reservations");
+}
+
+#[test]
+fn a_deployment_of_60_gets_60_distinct_addresses_and_gives_them_back() {
+    let w = Workload::new("scale");
+    w.deployment("web", 0);
+    w.scale("deployment/web", 60);
+    let pods = w.wait_running("app=web", 60, 420);
+    check_pods_against_pools(&w, &pods);
+
+    w.scale("deployment/web", 0);
+    w.wait_gone("app=web", 240);
+    // The kubelet's DELs (not the operator: the pods are gone from the API only after them).
+    wait_until(60, "pools and reservations empty of the namespace", || {
+        let left = (
+            entries_of(POD_POOL, &w.ns).len(),
+            entries_of(NET2_POOL, &w.ns).len(),
+            reservations_of(&w.ns),
+        );
+        if left == (0, 0, 0) {
+            Ok(())
+        } else {
+            Err(format!("entries eth0/eth1, reservations: {left:?}"))
+        }
+    });
+}
+
+#[test]
+fn a_statefulset_replacement_pod_gets_an_address_and_the_old_one_is_freed() {
+    let w = Workload::new("sts");
+    w.apply(&format!(
+        r#"apiVersion: apps/v1
+kind: StatefulSet
+metadata: {{name: web}}
+spec:
+  replicas: 3
+  serviceName: web
+  podManagementPolicy: Parallel
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata: {{labels: {{app: web}}}}
+    spec:
+{}
+"#,
+        w.pod_spec(6)
+    ));
+    let pods = w.wait_running("app=web", 3, 180);
+    check_pods_against_pools(&w, &pods);
+    let old = pods
+        .iter()
+        .find(|p| p["metadata"]["name"] == "web-1")
+        .unwrap();
+    let old_uid = old["metadata"]["uid"].as_str().unwrap().to_string();
+    let old_containers: BTreeSet<String> = entries_of(POD_POOL, &w.ns)
+        .into_iter()
+        .filter(|e| e.0.ends_with("/web-1"))
+        .map(|e| e.2)
+        .collect();
+    assert_eq!(old_containers.len(), 1);
+
+    crate::cluster::kubectl_ok(&["-n", &w.ns, "delete", "pod", "web-1", "--wait=false"]);
+    // The replacement has the same name and a new UID.
+    wait_until(180, "web-1 replaced and Running", || {
+        let pods = w.pods(Some("app=web"));
+        let new = pods.iter().find(|p| {
+            p["metadata"]["name"] == "web-1" && p["metadata"]["uid"].as_str() != Some(&old_uid)
+        });
+        match new {
+            Some(p) if crate::cluster::is_ready(p) && pods.len() == 3 => Ok(()),
+            _ => Err(crate::cluster::summary(&pods)),
+        }
+    });
+    let pods = w.wait_running("app=web", 3, 60);
+    check_pods_against_pools(&w, &pods);
+    // Nothing of the old container stays allocated.
+    let now: BTreeSet<String> = entries_of(POD_POOL, &w.ns)
+        .into_iter()
+        .chain(entries_of(NET2_POOL, &w.ns))
+        .map(|e| e.2)
+        .collect();
+    assert!(
+        now.is_disjoint(&old_containers),
+        "the old sandbox {old_containers:?} still holds an entry: {now:?}"
+    );
+}
