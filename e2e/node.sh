@@ -185,10 +185,13 @@ extendedKeyUsage=clientAuth"
 # `down` removes exactly those (and what the DaemonSet installed into them).
 record() { printf '%s\n' "$1" >> "$NODE_DIR/host-paths"; }
 
+# mkdir -p that records the topmost folder it had to create.
 ensure_dir() {
-  [[ -d "$1" ]] && return 0
+  local top="$1"
+  [[ -d "$top" ]] && return 0
+  while [[ ! -d "$(dirname "$top")" ]]; do top="$(dirname "$top")"; done
   mkdir -p "$1"
-  record "$1"
+  record "$top"
 }
 
 setup_host() {
@@ -519,8 +522,35 @@ stop_all() {
   done
 }
 
+# Shims of our containerd (they outlive it by design, and one whose containerd was restarted may
+# outlive its tasks too): found by our socket path in their command line.
+stop_shims() {
+  local pid
+  for pid in $(pgrep -f -- "containerd-shim-runc-v2 .*-address $SOCK( |\$)" || true); do
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+}
+
+# The kubelet's and kube-proxy's iptables chains (KUBE-*): no one else makes them here.
+remove_kube_chains() {
+  local t table chain
+  for t in iptables ip6tables; do
+    for table in filter nat mangle; do
+      $t -w -t "$table" -S 2>/dev/null | awk '/^-A / && / -j KUBE-/' | sed 's/^-A/-D/' |
+        while read -r rule; do eval "$t -w -t $table $rule" 2>/dev/null || true; done
+      for chain in $($t -w -t "$table" -S 2>/dev/null | awk '/^-N KUBE-/ {print $2}'); do
+        $t -w -t "$table" -F "$chain" 2>/dev/null || true
+      done
+      for chain in $($t -w -t "$table" -S 2>/dev/null | awk '/^-N KUBE-/ {print $2}'); do
+        $t -w -t "$table" -X "$chain" 2>/dev/null || true
+      done
+    done
+  done
+}
+
 cleanup_host() {
   local m ns path
+  stop_shims
   # Mounts under the node's folder (pod volumes, rootfs, shm), deepest first.
   for m in $(awk -v d="$NODE_DIR/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r); do
     umount -l "$m" 2>/dev/null || true
@@ -542,8 +572,7 @@ cleanup_host() {
     $t -w -F "$GUARD_CHAIN" 2>/dev/null || true
     $t -w -X "$GUARD_CHAIN" 2>/dev/null || true
   done
-  # kube-proxy's own chains (it leaves them when it stops).
-  [[ -x "$BIN_DIR/kube-proxy" ]] && "$BIN_DIR/kube-proxy" --cleanup >/dev/null 2>&1 || true
+  remove_kube_chains
   # Host paths this node created, newest first.
   if [[ -f "$NODE_DIR/host-paths" ]]; then
     tac "$NODE_DIR/host-paths" | while read -r path; do

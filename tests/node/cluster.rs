@@ -129,6 +129,19 @@ fn install(node: &Node) {
     assert!(out.status.success(), "e2e/install.sh failed");
 }
 
+/// The node agent's log, every line since its container started.
+pub fn agent_log() -> String {
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "logs",
+        "daemonset/whereabouts-node",
+        "-c",
+        "agent",
+        "--tail=-1",
+    ])
+}
+
 /// Polls `check` every 500 ms for up to `secs`; panics with `what` and the last state if it never
 /// holds.
 pub fn wait_until(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {

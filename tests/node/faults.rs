@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use crate::cluster::{
-    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, distinct_pod_ips, entries_of, get_json, kubectl_ok,
-    node, reservations_of, wait_until,
+    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, agent_log, distinct_pod_ips, entries_of, get_json,
+    kubectl_ok, node, reservations_of, wait_until,
 };
 
 /// The pool entries of `ns` and its reservations match `pods` exactly (one per pod per network).
@@ -115,8 +115,9 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         fresh_ips.is_disjoint(&keep.values().cloned().collect()),
         "a fresh pod got a live pod's address"
     );
-    wait_until(60, "the dead sandboxes are gone from the runtime", || {
-        let out = node.ctr(&["containers", "list", "-q"]);
+    // Killed: no task left (the kubelet's garbage collection removes the records later).
+    wait_until(90, "the dead sandboxes stopped by the kubelet", || {
+        let out = node.ctr(&["tasks", "list", "-q"]);
         let listed = String::from_utf8_lossy(&out.stdout).to_string();
         let left: Vec<_> = doomed_containers
             .iter()
@@ -128,6 +129,23 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
             Err(format!("{left:?}"))
         }
     });
+    // The runtime's DELs of the dead sandboxes reached our plugin (through the agent)...
+    wait_until(60, "a DEL served for each dead sandbox", || {
+        let log = agent_log();
+        let missing: Vec<_> = doomed_containers
+            .iter()
+            .filter(|c| {
+                !log.lines()
+                    .any(|l| l.contains("command=Del") && l.contains(c.as_str()))
+            })
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("no DEL served for {missing:?}"))
+        }
+    });
+    // ... and took nothing from the live pods, old or fresh.
     wait_until(60, "pools hold exactly the live pods", || converged(&w, 7));
     let held: BTreeSet<String> = entries_of(POD_POOL, &w.ns)
         .into_iter()

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use serde_json::json;
 
 use crate::cluster::{
-    POD_POOL, POOL_NAMESPACE, SYSTEM_NS, Workload, get_json, is_ready, kubectl, kubectl_ok, node,
+    POD_POOL, POOL_NAMESPACE, SYSTEM_NS, Workload, agent_log, get_json, is_ready, kubectl, node,
     wait_until,
 };
 use crate::harness::repo;
@@ -195,17 +195,9 @@ fn the_agent_serves_the_kubelets_pods() {
 
 /// ADDs the node agent logged as served, over every agent container's log.
 fn agent_served() -> usize {
-    let out = kubectl_ok(&[
-        "-n",
-        SYSTEM_NS,
-        "logs",
-        "daemonset/whereabouts-node",
-        "-c",
-        "agent",
-        "--tail=-1",
-    ]);
-    out.lines()
-        .filter(|l| l.contains("served") && l.contains("Add"))
+    agent_log()
+        .lines()
+        .filter(|l| l.contains("served") && l.contains("command=Add"))
         .count()
 }
 
