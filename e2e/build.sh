@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control-plane binaries into e2e/bin/:
 #   etcd, kube-apiserver, kube-controller-manager, kubectl
-# from the Go modules pinned in e2e/etcd/go.mod and e2e/k8s/go.mod.
+# and, for the real node of e2e/node.sh, kubelet, kube-scheduler, kube-proxy and crictl,
+# from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod and e2e/cri-tools/go.mod.
 #
 # A binary is rebuilt only when its stamp (e2e/bin/.NAME.stamp) differs from
 # the current inputs: Go version, build flags and the go.mod/go.sum of its
@@ -32,12 +33,14 @@ module_of() {
   case "$1" in
     etcd) echo "$E2E_DIR/etcd" ;;
     kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy)" ;;
+    crictl) echo "$E2E_DIR/cri-tools" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl)" ;;
   esac
 }
 package_of() {
   case "$1" in
     etcd) echo "go.etcd.io/etcd/server/v3" ;; # module root is etcd's main package
+    crictl) echo "sigs.k8s.io/cri-tools/cmd/crictl" ;;
     *) echo "k8s.io/kubernetes/cmd/$1" ;;
   esac
 }
@@ -62,9 +65,11 @@ build_one() {
   mod_dir="$(module_of "$name")"
   pkg="$(package_of "$name")"
   ldflags="-s -w"
-  if [[ "$name" != etcd ]]; then
-    ldflags+="$(version_ldflags "$mod_dir")"
-  fi
+  case "$name" in
+    etcd) ;;
+    crictl) ldflags+=" -X sigs.k8s.io/cri-tools/pkg/version.Version=$(cd "$mod_dir" && go list -m -f '{{.Version}}' sigs.k8s.io/cri-tools)" ;;
+    *) ldflags+="$(version_ldflags "$mod_dir")" ;;
+  esac
   stamp_file="$BIN_DIR/.$name.stamp"
   # `go mod edit -json` rather than the raw go.mod: comment edits don't count.
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "pkg=$pkg"; echo "ldflags=$ldflags";

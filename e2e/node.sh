@@ -428,10 +428,10 @@ cmd_up() {
     command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
   done
   if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" != 1 ]]; then
-    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy || die "build failed (e2e/build.sh)"
+    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl || die "build failed (e2e/build.sh)"
     "$E2E_DIR/images.sh" "$IMAGES_DIR" || die "image build failed (e2e/images.sh)"
   fi
-  for tool in kubelet kube-scheduler kube-proxy; do
+  for tool in kubelet kube-scheduler kube-proxy crictl; do
     [[ -x "$BIN_DIR/$tool" ]] || die "$BIN_DIR/$tool missing (e2e/build.sh $tool)"
   done
   mkdir -p "$NODE_DIR"

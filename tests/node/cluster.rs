@@ -39,6 +39,21 @@ impl Node {
         assert!(out.status.success(), "e2e/node.sh {verb} {arg} failed");
     }
 
+    /// `crictl` (built from sigs.k8s.io/cri-tools) against the node's runtime: the kubelet's view.
+    pub fn crictl(&self, args: &[&str]) -> Output {
+        let endpoint = format!("unix://{}", self.get("CONTAINERD_SOCKET"));
+        Command::new(repo().join("e2e/bin/crictl"))
+            .args([
+                "--runtime-endpoint",
+                &endpoint,
+                "--image-endpoint",
+                &endpoint,
+            ])
+            .args(args)
+            .output()
+            .expect("run crictl")
+    }
+
     /// `ctr` against the node's containerd, in the Kubernetes namespace.
     pub fn ctr(&self, args: &[&str]) -> Output {
         Command::new("ctr")

@@ -64,6 +64,13 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         .collect();
     assert_eq!(doomed_containers.len(), 4);
     distinct_pod_ips(&doomed);
+    assert_eq!(
+        ready_sandboxes(node)
+            .intersection(&doomed_containers)
+            .count(),
+        4,
+        "the pool's container ids are the runtime's ready sandboxes"
+    );
 
     // The kubelet dies; its containers keep running. The pods are force-deleted from the API.
     node.script("stop", "kubelet");
@@ -115,13 +122,11 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         fresh_ips.is_disjoint(&keep.values().cloned().collect()),
         "a fresh pod got a live pod's address"
     );
-    // Killed: no task left (the kubelet's garbage collection removes the records later).
+    // Stopped, in the runtime's view (the kubelet's garbage collection removes them later).
     wait_until(90, "the dead sandboxes stopped by the kubelet", || {
-        let out = node.ctr(&["tasks", "list", "-q"]);
-        let listed = String::from_utf8_lossy(&out.stdout).to_string();
-        let left: Vec<_> = doomed_containers
-            .iter()
-            .filter(|c| listed.contains(c.as_str()))
+        let left: Vec<_> = ready_sandboxes(node)
+            .intersection(&doomed_containers)
+            .cloned()
             .collect();
         if left.is_empty() {
             Ok(())
@@ -152,6 +157,16 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         .map(|e| e.2)
         .collect();
     assert!(held.is_disjoint(&doomed_containers), "{held:?}");
+}
+
+/// The ids of the pod sandboxes the runtime reports ready (`crictl pods --state ready`).
+fn ready_sandboxes(node: &crate::cluster::Node) -> BTreeSet<String> {
+    let out = node.crictl(&["pods", "--state", "ready", "-q", "--no-trunc"]);
+    assert!(out.status.success(), "crictl pods: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
 }
 
 /// The agent container's task ids on the node (the runtime's view).
