@@ -7,8 +7,11 @@ run. The pods' networks (e2e/node.sh: bridge `wab0` as eth0, and with --networks
 eth1) get their addresses from, in turn:
 
   ours        our plugin as installed by `kubectl apply -k` (DaemonSet: installer + node agent)
-  upstream    upstream whereabouts v0.9.2's plugin (bench/build.sh: built from its Go module),
-              copied to /opt/cni/bin/whereabouts-upstream, with its own flat file
+  upstream    upstream whereabouts v0.9.2's plugin (built from its Go module), swapped in for
+              /opt/cni/bin/whereabouts with its own flat file (the admin kubeconfig). It accepts
+              no IPAM type but `whereabouts`, so it takes our binary's place: for its runs the
+              DaemonSet is moved off the node (a nodeSelector no node has), so that its
+              installer does not put ours back, and restored afterwards
   host-local  Debian's host-local: IPAM that costs nothing, the floor
 
 Runs alternate between the IPAMs (ours, upstream, host-local, ours, ...) so that a slow minute of
@@ -29,7 +32,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KUBECTL = os.path.join(REPO, "e2e/bin/kubectl")
 NS = "bench-node"
-UPSTREAM_BIN = "/opt/cni/bin/whereabouts-upstream"
+PLUGIN = "/opt/cni/bin/whereabouts"
+OURS = os.path.join(REPO, "target/x86_64-unknown-linux-musl/release/whereabouts")
+UPSTREAM = os.path.join(REPO, "bench/bin/whereabouts-upstream")
 # The node's networks: conflist file, bridge, range, first address (as e2e/node.sh writes them).
 NETWORKS = [
     ("10-wab-pods.conflist", "wab-pods", "wab0", "10.85.0.0/22", "10.85.0.10", True),
@@ -55,7 +60,7 @@ def ipam_config(impl, cidr, start, name, state_dir):
     if impl == "ours":
         return {"type": "whereabouts", "range": cidr, "range_start": start}
     if impl == "upstream":
-        return {"type": "whereabouts-upstream", "range": cidr, "range_start": start,
+        return {"type": "whereabouts", "range": cidr, "range_start": start,
                 "configuration_path": os.path.join(state_dir, "upstream-flat.conf")}
     if impl == "host-local":
         return {"type": "host-local", "ranges": [[{"subnet": cidr, "rangeStart": start}]],
@@ -84,6 +89,38 @@ def write_conflists(conf_dir, impl, networks, state_dir):
     time.sleep(2)
 
 
+def same_file(a, b):
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def place_plugin(kc, impl):
+    """Upstream: DaemonSet off the node, upstream's binary in place. Otherwise: the DaemonSet
+    back, and wait until its installer has put our binary back and its agent serves."""
+    ds = ["-n", "whereabouts-system", "patch", "daemonset", "whereabouts-node", "--type=merge"]
+    if impl == "upstream":
+        kubectl(kc, *ds, "-p", '{"spec":{"template":{"spec":{"nodeSelector":{"bench.whereabouts/off":"true"}}}}}')
+        deadline = time.monotonic() + 120
+        while kubectl(kc, "-n", "whereabouts-system", "get", "pods", "-o", "name", "-l",
+                      "app.kubernetes.io/name=whereabouts-node").strip():
+            if time.monotonic() > deadline:
+                sys.exit("the DaemonSet's pod did not leave within 120 s")
+            time.sleep(0.5)
+        shutil.copy(UPSTREAM, PLUGIN + ".bench")
+        os.replace(PLUGIN + ".bench", PLUGIN)
+        return
+    if same_file(PLUGIN, OURS) and os.path.exists("/run/whereabouts/agent.sock"):
+        return
+    kubectl(kc, *ds, "-p", '{"spec":{"template":{"spec":{"nodeSelector":null}}}}')
+    kubectl(kc, "-n", "whereabouts-system", "rollout", "status", "daemonset/whereabouts-node",
+            "--timeout=120s")
+    deadline = time.monotonic() + 120
+    while not (same_file(PLUGIN, OURS) and os.path.exists("/run/whereabouts/agent.sock")):
+        if time.monotonic() > deadline:
+            sys.exit("our plugin and agent were not back within 120 s")
+        time.sleep(0.5)
+
+
 def deployment(replicas, image):
     return json.dumps({
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -109,13 +146,15 @@ def pod_count(kc):
 
 
 def one_run(kc, replicas, timeout):
+    """Seconds from the scale request to `replicas` ready (None past `timeout`); then back to 0."""
     start = time.monotonic()
     kubectl(kc, "-n", NS, "scale", "deployment/bench", f"--replicas={replicas}")
-    while ready_replicas(kc) < replicas:
-        if time.monotonic() - start > timeout:
-            return None
-        time.sleep(0.2)
-    elapsed = time.monotonic() - start
+    elapsed = None
+    while elapsed is None and time.monotonic() - start <= timeout:
+        if ready_replicas(kc) >= replicas:
+            elapsed = time.monotonic() - start
+        else:
+            time.sleep(0.2)
     kubectl(kc, "-n", NS, "scale", "deployment/bench", "--replicas=0")
     deadline = time.monotonic() + 300
     while pod_count(kc) > 0:
@@ -141,11 +180,8 @@ def main():
     os.makedirs(os.path.join(bench_dir, "host-local"), exist_ok=True)
     impls = args.impls.split(",")
     if "upstream" in impls:
-        src = os.path.join(REPO, "bench/bin/whereabouts-upstream")
-        if not os.path.exists(src):
-            sys.exit("bench/bin/whereabouts-upstream missing: run bench/build.sh")
-        shutil.copy(src, UPSTREAM_BIN + ".tmp")
-        os.replace(UPSTREAM_BIN + ".tmp", UPSTREAM_BIN)
+        if not os.path.exists(UPSTREAM):
+            sys.exit("bench/bin/whereabouts-upstream missing: run bench/node_run.sh")
         # Upstream's own flat file: the admin kubeconfig, pools in kube-system as ours.
         with open(os.path.join(bench_dir, "upstream-flat.conf"), "w") as f:
             json.dump({"kubernetes": {"kubeconfig": kc}, "log_level": "error"}, f)
@@ -163,6 +199,7 @@ def main():
         for networks in [int(n) for n in args.networks.split(",")]:
             for rep in range(args.repeat):
                 for impl in impls:
+                    place_plugin(kc, impl)
                     write_conflists(env["CNI_CONF_DIR"], impl, networks, bench_dir)
                     t = one_run(kc, args.replicas, args.timeout)
                     row = {"impl": impl, "networks": networks, "replicas": args.replicas,
@@ -173,8 +210,7 @@ def main():
         write_conflists(env["CNI_CONF_DIR"], "ours", 2 if env.get("NETWORKS", "2") == "2" else 1,
                         bench_dir)
         kubectl(kc, "delete", "namespace", NS, "--wait=false", check=False)
-        if os.path.exists(UPSTREAM_BIN):
-            os.remove(UPSTREAM_BIN)
+        place_plugin(kc, "ours")
 
     print(f"\n| {args.replicas} pods to Ready | " + " | ".join(impls) +
           " | ours / host-local | upstream / ours |")

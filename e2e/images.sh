@@ -30,6 +30,9 @@ for tool in buildah musl-gcc go sha256sum; do
   command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
 done
 [[ -x /bin/busybox ]] && /bin/busybox --list >/dev/null || die "/bin/busybox missing (apt-get install busybox-static)"
+if command -v rustup >/dev/null && ! rustup target list --installed | grep -qx "$TARGET"; then
+  die "the Rust target $TARGET is not installed (rustup target add $TARGET, or make deps)"
+fi
 # A private storage, so the images built here never mix with anything else buildah holds.
 bah() { buildah --storage-driver vfs --root "$OUT/storage" --runroot "$OUT/run" "$@"; }
 
