@@ -16,7 +16,7 @@ use std::fmt;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::{NetConf, Problem, Source, validate_ipam};
+use crate::config::{NetConf, Problem, Source, result_shape_problem, validate_ipam};
 use crate::ipam::AddrRange;
 
 /// Where problems inside a NAD are reported from.
@@ -75,12 +75,20 @@ pub fn check_spec_config(config: &str) -> NadCheck {
             return out;
         }
     };
-    for (prefix, ipam) in conf.whereabouts_ipams() {
-        out.whereabouts = true;
+    let ipams = conf.whereabouts_ipams();
+    if ipams.is_empty() {
+        return out;
+    }
+    out.whereabouts = true;
+    // The plugin refuses these at every ADD: the same checks, the same words.
+    out.errors.extend(conf.version_problem());
+    for (prefix, ipam) in ipams {
         let v = validate_ipam(ipam, &prefix, Source::Nad);
         out.errors.extend(v.errors);
         out.warnings.extend(v.warnings);
         if let Some(cfg) = v.config {
+            out.errors
+                .extend(result_shape_problem(&conf.cni_version, &prefix, &cfg));
             out.ranges.extend(cfg.ranges.into_iter().map(|r| NadRange {
                 path: r.path,
                 network_name: cfg.network_name.clone(),

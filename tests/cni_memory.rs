@@ -550,7 +550,8 @@ fn invalid_inputs_are_cni_errors() {
         e.msg,
         r#"invalid whereabouts config: ipam.range "abc.169.1.0/24" is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"#
     );
-    let e = request_conf(Command::Add, json!({"cniVersion": "0.2.0", "name": "n", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}}), "c", "p").unwrap_err();
+    // 0.2.0 is answered since upstream answers it (tests/cni_memory.rs: legacy results); not this.
+    let e = request_conf(Command::Add, json!({"cniVersion": "1.2.3.4", "name": "n", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}}), "c", "p").unwrap_err();
     assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
     let e = request(
         Command::Add,
@@ -885,4 +886,80 @@ async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
     }
     assert_eq!(store.count("patch"), 2, "recorded, then released");
     assert_eq!(left, 0, "entry or reservation left behind");
+}
+
+/// Upstream answers 0.1.0 and 0.2.0 (and reads a missing cniVersion as 0.1.0): one `ip4` and one
+/// `ip6` object. A config that would give two addresses of one family is refused before anything
+/// is allocated (upstream would allocate both and report one).
+#[tokio::test]
+async fn legacy_versions_get_ip4_and_ip6_results() {
+    let store = MemoryStore::new();
+    let conf = |version: Option<&str>, ipam: Value| {
+        let mut c = json!({"name": "n", "type": "bridge", "ipam": ipam});
+        if let Some(v) = version {
+            c["cniVersion"] = v.into();
+        }
+        c
+    };
+    let dual_stack = json!({"type": "whereabouts", "range": "10.0.0.0/24", "gateway": "10.0.0.1",
+        "ipRanges": [{"range": "fd00::/64"}], "routes": [{"dst": "0.0.0.0/0"}]});
+    for (i, version) in [Some("0.2.0"), Some("0.1.0"), None].into_iter().enumerate() {
+        let req = request_conf(
+            Command::Add,
+            conf(version, dual_stack.clone()),
+            &format!("c{i}"),
+            &format!("p{i}"),
+        )
+        .unwrap();
+        let out = handle(&store, &req).await.unwrap().unwrap();
+        assert_eq!(out["cniVersion"], version.unwrap_or("0.1.0"));
+        assert_eq!(
+            out["ip4"],
+            json!({"ip": format!("10.0.0.{}/24", i + 1), "gateway": "10.0.0.1", "routes": [{"dst": "0.0.0.0/0"}]})
+        );
+        assert_eq!(out["ip6"], json!({"ip": format!("fd00::{}/64", i + 1)}));
+        assert!(out.get("ips").is_none(), "{out}");
+    }
+    // Two IPv4 ranges: refused with the validator's words, and nothing is allocated.
+    let two_v4 = json!({"type": "whereabouts", "range": "10.1.0.0/24", "ipRanges": [{"range": "10.2.0.0/24"}]});
+    let e = request_conf(Command::Add, conf(Some("0.2.0"), two_v4), "c9", "p9").unwrap_err();
+    assert_eq!(e.code, code::INVALID_CONFIG);
+    assert_eq!(
+        e.msg,
+        r#"invalid whereabouts config: cniVersion "0.2.0" results hold one address per family, but 2 IPv4 addresses are configured (ipam.range, ipam.ipRanges[0]): use cniVersion 0.3.0 or later"#
+    );
+    // CNI_ARGS IP= adding a second IPv4 address: refused as an environment problem.
+    let mut req_conf = conf(
+        Some("0.2.0"),
+        json!({"type": "whereabouts", "range": "10.3.0.0/24"}),
+    );
+    req_conf["args"] = json!({});
+    let stdin = req_conf.to_string();
+    let env = |k: &str| match k {
+        "CNI_CONTAINERID" => Some("c10".to_owned()),
+        "CNI_IFNAME" => Some("net1".to_owned()),
+        "CNI_ARGS" => {
+            Some("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p10;IP=10.9.9.9/24".to_owned())
+        }
+        _ => None,
+    };
+    let e = load(
+        Command::Add,
+        &Invocation {
+            env: &env,
+            stdin: &stdin,
+            flat_file: FlatSource::Paths(vec![]),
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, code::INVALID_ENV, "{}", e.msg);
+    assert!(
+        e.msg.starts_with(
+            r#"CNI_ARGS IP: cniVersion "0.2.0" results hold one address per family, but 2 IPv4"#
+        ),
+        "{}",
+        e.msg
+    );
+    assert!(store.get_pool("10.1.0.0-24").await.unwrap().is_none());
+    assert!(store.get_pool("10.3.0.0-24").await.unwrap().is_none());
 }

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use crate::config::{IpamConfig, NetConf, RangeConfig, Source, flat, problem, validate_ipam};
+use crate::config::{
+    IpamConfig, NetConf, RangeConfig, Source, flat, problem, result_shape_problem, validate_ipam,
+};
 use crate::store::{Store, StoreError};
 use allocate::{AllocError, Allocated, Scope, release, release_entries};
 use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
@@ -50,7 +52,7 @@ pub enum FlatSource {
 pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError> {
     let conf = NetConf::parse(inv.stdin, "network config")
         .map_err(|p| CniError::new(code::DECODE, p.to_string()))?;
-    protocol::check_version(&conf.cni_version)?;
+    protocol::check_version(&conf)?;
     let (prefix, ipam) = conf
         .runtime_ipam()
         .ok_or_else(|| CniError::new(code::INVALID_CONFIG, "network config has no ipam object"))?;
@@ -68,8 +70,10 @@ pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError>
             ),
         )
     })?;
+
     let env = |k: &str| (inv.env)(k).unwrap_or_default();
     let args = CniArgs::parse(&env("CNI_ARGS"))?;
+    check_result_shape(&conf.cni_version, &prefix, &ipam, &args)?;
     let attachment = Attachment {
         container_id: env("CNI_CONTAINERID"),
         ifname: env("CNI_IFNAME"),
@@ -297,12 +301,49 @@ async fn add<S: Store, A: Allocate<S>>(
         }
     }
     ips.extend(static_addresses(req));
-    Ok(render_result(
+    // Cannot fail: `load` checked the result's shape before anything was allocated.
+    render_result(
         &req.conf.cni_version,
         &ips,
         &req.ipam.routes,
         req.ipam.dns.as_ref(),
-    ))
+    )
+}
+
+/// 0.1.0 and 0.2.0 results hold one address per family: refuse a config, or CNI_ARGS `IP=`, that
+/// would give more, before anything is allocated (the validator refuses such a NAD alike).
+fn check_result_shape(
+    cni_version: &str,
+    prefix: &str,
+    ipam: &IpamConfig,
+    args: &CniArgs,
+) -> Result<(), CniError> {
+    let invalid = |p: crate::config::Problem| {
+        CniError::new(
+            code::INVALID_CONFIG,
+            format!("invalid whereabouts config: {p}"),
+        )
+    };
+    if let Some(p) = result_shape_problem(cni_version, prefix, ipam) {
+        return Err(invalid(p));
+    }
+    if args.ips.is_empty() || !crate::config::netconf::one_address_per_family(cni_version) {
+        return Ok(());
+    }
+    let mut with_args = ipam.clone();
+    with_args
+        .addresses
+        .extend(args.ips.iter().map(|ip| crate::config::StaticAddress {
+            address: *ip,
+            gateway: None,
+        }));
+    match result_shape_problem(cni_version, prefix, &with_args) {
+        Some(p) => Err(CniError::new(
+            code::INVALID_ENV,
+            format!("CNI_ARGS IP: {p}"),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.

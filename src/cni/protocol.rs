@@ -11,7 +11,9 @@ use serde_json::{Value, json};
 
 use crate::ipam::Family;
 
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+use crate::config::NetConf;
+pub use crate::config::netconf::SUPPORTED_VERSIONS;
+use crate::config::netconf::one_address_per_family;
 
 /// Error codes of the CNI specification (and ours from 100 up).
 pub mod code {
@@ -173,13 +175,23 @@ pub struct IpResult {
 }
 
 /// Renders an ADD result in the configuration's version: 0.3.x and 0.4.0 carry `version` per IP,
-/// 1.x does not.
+/// 1.x does not; 0.1.0 and 0.2.0 have one `ip4` and one `ip6` object, each with its routes.
 pub fn render_result(
     cni_version: &str,
     ips: &[IpResult],
     routes: &[Value],
     dns: Option<&Value>,
-) -> Value {
+) -> Result<Value, CniError> {
+    let mut result = if one_address_per_family(cni_version) {
+        render_ip4_ip6(cni_version, ips, routes)?
+    } else {
+        render_ips(cni_version, ips, routes)
+    };
+    result["dns"] = dns.cloned().unwrap_or_else(|| json!({}));
+    Ok(result)
+}
+
+fn render_ips(cni_version: &str, ips: &[IpResult], routes: &[Value]) -> Value {
     let legacy = cni_version.starts_with("0.");
     let ips: Vec<Value> = ips
         .iter()
@@ -198,22 +210,65 @@ pub fn render_result(
     if !routes.is_empty() {
         result["routes"] = json!(routes);
     }
-    result["dns"] = dns.cloned().unwrap_or_else(|| json!({}));
     result
 }
 
-/// Checks that we can answer in the configuration's version.
-pub fn check_version(cni_version: &str) -> Result<(), CniError> {
-    if SUPPORTED_VERSIONS.contains(&cni_version) {
-        return Ok(());
+/// The 0.1.0/0.2.0 shape. The config was checked to give one address per family at most
+/// (`result_shape_problem`); CNI_ARGS `IP=` can still add one, which is refused here.
+fn render_ip4_ip6(
+    cni_version: &str,
+    ips: &[IpResult],
+    routes: &[Value],
+) -> Result<Value, CniError> {
+    let mut result = json!({"cniVersion": cni_version});
+    for (family, key) in [(Family::V4, "ip4"), (Family::V6, "ip6")] {
+        let mine: Vec<&IpResult> = ips
+            .iter()
+            .filter(|ip| Family::of(ip.address.addr()) == family)
+            .collect();
+        let [ip] = mine.as_slice() else {
+            if mine.is_empty() {
+                continue;
+            }
+            let list: Vec<String> = mine.iter().map(|ip| ip.address.to_string()).collect();
+            return Err(CniError::new(
+                code::INVALID_CONFIG,
+                format!(
+                    "cniVersion {cni_version:?} results hold one {} address, this ADD has {} ({}): use cniVersion 0.3.0 or later",
+                    family.name(),
+                    mine.len(),
+                    list.join(", ")
+                ),
+            ));
+        };
+        let mut v = json!({"ip": ip.address.to_string()});
+        if let Some(gw) = ip.gateway {
+            v["gateway"] = json!(gw.to_string());
+        }
+        let family_routes: Vec<&Value> = routes
+            .iter()
+            .filter(|r| route_family(r) == Some(family))
+            .collect();
+        if !family_routes.is_empty() {
+            v["routes"] = json!(family_routes);
+        }
+        result[key] = v;
     }
-    Err(CniError::new(
-        code::INCOMPATIBLE_VERSION,
-        format!(
-            "cniVersion {cni_version:?} is not supported; supported: {}",
-            SUPPORTED_VERSIONS.join(", ")
-        ),
-    ))
+    Ok(result)
+}
+
+/// The family of a route's `dst` (validated to parse when the config was read).
+fn route_family(route: &Value) -> Option<Family> {
+    let dst: IpNet = route.get("dst")?.as_str()?.parse().ok()?;
+    Some(Family::of(dst.addr()))
+}
+
+/// Checks that we can answer in the configuration's version.
+pub fn check_version(conf: &NetConf) -> Result<(), CniError> {
+    match conf.version_problem() {
+        None => Ok(()),
+        Some(p) => Err(CniError::new(code::INCOMPATIBLE_VERSION, p.to_string())),
+    }
 }
 
 pub fn version_reply() -> Value {
@@ -264,21 +319,59 @@ mod tests {
                 gateway: None,
             },
         ];
-        let old = render_result("0.3.1", &ips, &[], None);
+        let old = render_result("0.3.1", &ips, &[], None).unwrap();
         assert_eq!(old["ips"][0]["version"], "4");
         assert_eq!(old["ips"][1]["version"], "6");
-        let new = render_result("1.0.0", &ips, &[json!({"dst": "0.0.0.0/0"})], None);
+        let routes = [
+            json!({"dst": "0.0.0.0/0"}),
+            json!({"dst": "::/0", "gw": "2001::1"}),
+        ];
+        let new = render_result("1.0.0", &ips, &routes, None).unwrap();
         assert!(new["ips"][0].get("version").is_none());
         assert_eq!(new["ips"][0]["gateway"], "10.0.0.1");
         assert_eq!(new["routes"][0]["dst"], "0.0.0.0/0");
+        // 0.1.0 and 0.2.0: one object per family, each with its own routes.
+        for v in ["0.1.0", "0.2.0"] {
+            let r = render_result(v, &ips, &routes, None).unwrap();
+            assert_eq!(
+                r,
+                json!({"cniVersion": v,
+                       "ip4": {"ip": "10.0.0.5/24", "gateway": "10.0.0.1", "routes": [{"dst": "0.0.0.0/0"}]},
+                       "ip6": {"ip": "2001::5/64", "routes": [{"dst": "::/0", "gw": "2001::1"}]},
+                       "dns": {}})
+            );
+        }
+        let v4_only = render_result("0.2.0", &ips[..1], &[], None).unwrap();
+        assert!(v4_only.get("ip6").is_none() && v4_only.get("ips").is_none());
+        let two_v4 = [
+            ips[0].clone(),
+            IpResult {
+                address: "10.0.0.6/24".parse().unwrap(),
+                gateway: None,
+            },
+        ];
+        let e = render_result("0.2.0", &two_v4, &[], None).unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+        assert!(
+            e.msg
+                .contains("one IPv4 address, this ADD has 2 (10.0.0.5/24, 10.0.0.6/24)"),
+            "{}",
+            e.msg
+        );
     }
 
     #[test]
     fn versions() {
-        assert!(check_version("0.4.0").is_ok());
-        assert_eq!(
-            check_version("0.2.0").unwrap_err().code,
-            code::INCOMPATIBLE_VERSION
+        let conf = |v: &str| NetConf::parse(&format!(r#"{{"cniVersion":{v}}}"#), "stdin").unwrap();
+        assert!(check_version(&conf(r#""0.4.0""#)).is_ok());
+        assert!(check_version(&conf(r#""0.2.0""#)).is_ok());
+        let e = check_version(&conf(r#""1.2.3.4""#)).unwrap_err();
+        assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+        assert!(
+            e.msg
+                .starts_with(r#"cniVersion "1.2.3.4" is not supported"#),
+            "{}",
+            e.msg
         );
         assert!(Command::parse("ADDD").is_err());
     }

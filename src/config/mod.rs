@@ -8,5 +8,6 @@ pub mod validate;
 pub use netconf::NetConf;
 pub use problem::Problem;
 pub use validate::{
-    DEFAULT_AGENT_SOCKET, IpamConfig, RangeConfig, Source, StaticAddress, Validated, validate_ipam,
+    DEFAULT_AGENT_SOCKET, IpamConfig, RangeConfig, Source, StaticAddress, Validated,
+    result_shape_problem, validate_ipam,
 };

@@ -10,6 +10,21 @@ use super::problem::Problem;
 
 pub const IPAM_TYPE: &str = "whereabouts";
 
+/// The CNI versions the plugin answers in, as its VERSION reply lists them: upstream's list, so a
+/// NAD written for upstream on any of them keeps working.
+pub const SUPPORTED_VERSIONS: &[&str] = &[
+    "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0",
+];
+
+/// The version of a config that names none: libcni's `DecodeVersion` (which upstream's plugin
+/// uses) reads a missing, null or empty `cniVersion` as 0.1.0, so a NAD without one works there.
+pub const VERSION_WHEN_MISSING: &str = "0.1.0";
+
+/// Results of these versions have one `ip4` and one `ip6` object: one address per family at most.
+pub fn one_address_per_family(cni_version: &str) -> bool {
+    matches!(cni_version, "0.1.0" | "0.2.0")
+}
+
 /// The parts of a network configuration the plugin and the operator need.
 #[derive(Debug, Clone)]
 pub struct NetConf {
@@ -36,11 +51,42 @@ impl NetConf {
                 .unwrap_or_default()
                 .to_owned()
         };
+        let cni_version = match value.get("cniVersion") {
+            // Go reads null as "", as it reads a missing key.
+            None | Some(Value::Null) => VERSION_WHEN_MISSING.to_owned(),
+            Some(Value::String(v)) if v.is_empty() => VERSION_WHEN_MISSING.to_owned(),
+            Some(Value::String(v)) => v.clone(),
+            // Not a string: refused by `version_problem`.
+            Some(_) => String::new(),
+        };
         Ok(NetConf {
-            cni_version: text_of("cniVersion"),
+            cni_version,
             name: text_of("name"),
             value,
         })
+    }
+
+    /// What is wrong with the top-level `cniVersion`, if anything: it must be one of
+    /// [`SUPPORTED_VERSIONS`], as a string, or be missing (then [`VERSION_WHEN_MISSING`]). The
+    /// plugin refuses such a config at every ADD and the validator refuses the NAD, with this same
+    /// problem.
+    pub fn version_problem(&self) -> Option<Problem> {
+        let supported = || format!("supported: {}", SUPPORTED_VERSIONS.join(", "));
+        match self.value.get("cniVersion") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(v)) if v.is_empty() => None,
+            Some(Value::String(v)) if SUPPORTED_VERSIONS.contains(&v.as_str()) => None,
+            Some(Value::String(v)) => Some(Problem::with_value(
+                "cniVersion",
+                v,
+                format!("is not supported; {}", supported()),
+            )),
+            Some(other) => Some(Problem::with_value(
+                "cniVersion",
+                other,
+                format!("must be a string; {}", supported()),
+            )),
+        }
     }
 
     /// Every whereabouts ipam object, with the path it sits at (`ipam` or `plugins[i].ipam`).
@@ -95,6 +141,36 @@ mod tests {
         )
         .unwrap();
         assert!(other.whereabouts_ipams().is_empty());
+    }
+
+    #[test]
+    fn versions_are_checked_by_name_and_value() {
+        let problem = |v: &str| {
+            NetConf::parse(&format!(r#"{{{v}"type":"bridge"}}"#), "stdin")
+                .unwrap()
+                .version_problem()
+                .map(|p| p.to_string())
+        };
+        for ok in SUPPORTED_VERSIONS {
+            assert_eq!(problem(&format!(r#""cniVersion":"{ok}","#)), None);
+        }
+        let bad = problem(r#""cniVersion":"1.2.3.4","#).unwrap();
+        assert!(
+            bad.starts_with(r#"cniVersion "1.2.3.4" is not supported; supported: 0.1.0"#),
+            "{bad}"
+        );
+        let bad = problem(r#""cniVersion":-1,"#).unwrap();
+        assert!(
+            bad.starts_with(r#"cniVersion "-1" must be a string"#),
+            "{bad}"
+        );
+        // Missing or empty: 0.1.0, as libcni reads it.
+        for missing in ["", r#""cniVersion":"","#, r#""cniVersion":null,"#] {
+            assert_eq!(problem(missing), None);
+            let conf =
+                NetConf::parse(&format!(r#"{{{missing}"type":"bridge"}}"#), "stdin").unwrap();
+            assert_eq!(conf.cni_version, "0.1.0");
+        }
     }
 
     #[test]

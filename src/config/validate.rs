@@ -13,7 +13,7 @@ use serde_json::{Map, Value};
 
 use super::problem::Problem;
 use crate::ipam::naming::{object_name_problem, pool_name, reservation_name};
-use crate::ipam::{AddrRange, Bound, RangeError};
+use crate::ipam::{AddrRange, Bound, Family, RangeError};
 
 /// Keys upstream understands. Legacy keys of the lease and etcd backends are accepted and unused.
 const KNOWN_KEYS: &[&str] = &[
@@ -95,6 +95,46 @@ pub struct IpamConfig {
     /// The node agent's Unix socket (`agent_socket`, our addition): ADDs and DELs go through the
     /// agent when it listens there, directly to the API server otherwise. `None`: never.
     pub agent_socket: Option<String>,
+}
+
+/// What is wrong with answering `cfg` in `cni_version`, if anything: 0.1.0 and 0.2.0 results hold
+/// one address per family (`ip4`, `ip6`), so a config that gives two of one family (two ranges,
+/// or a range and a static address) fails every ADD there, as upstream's does. The plugin checks
+/// this before it allocates anything, and the validator refuses such a NAD with the same words.
+pub fn result_shape_problem(cni_version: &str, prefix: &str, cfg: &IpamConfig) -> Option<Problem> {
+    if !super::netconf::one_address_per_family(cni_version) {
+        return None;
+    }
+    let ranges = cfg
+        .ranges
+        .iter()
+        .map(|r| (r.range.family(), r.path.clone()));
+    let statics = cfg.addresses.iter().enumerate().map(|(i, a)| {
+        (
+            Family::of(a.address.addr()),
+            format!("{prefix}.addresses[{i}]"),
+        )
+    });
+    let given: Vec<(Family, String)> = ranges.chain(statics).collect();
+    [Family::V4, Family::V6].into_iter().find_map(|family| {
+        let paths: Vec<&str> = given
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, p)| p.as_str())
+            .collect();
+        (paths.len() > 1).then(|| {
+            Problem::with_value(
+                "cniVersion",
+                cni_version,
+                format!(
+                    "results hold one address per family, but {} {} addresses are configured ({}): use cniVersion 0.3.0 or later",
+                    paths.len(),
+                    family.name(),
+                    paths.join(", ")
+                ),
+            )
+        })
+    })
 }
 
 /// The outcome of validation: a config only when there are no errors; warnings either way.

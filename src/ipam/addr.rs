@@ -28,6 +28,14 @@ impl Family {
         }
     }
 
+    /// For messages: `IPv4`, `IPv6`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+
     /// The CNI 0.3/0.4 result's `version` field.
     pub fn version_str(self) -> &'static str {
         match self {

@@ -348,14 +348,16 @@ fn the_agent_refuses_bad_requests_and_non_root_callers() {
     assert!(reason(&r).contains("unknown field `extra`"), "{r}");
     let r = agent.raw(&vec![b' '; 2 << 20]);
     assert!(reason(&r).contains("larger than 1048576 bytes"), "{r}");
-    let r = agent.raw(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{}","flatFile":null}"#);
-    // Validated as the plugin would: "{}" names no cniVersion.
+    let r = agent.raw(
+        br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{\"cniVersion\":\"9.9.9\"}","flatFile":null}"#,
+    );
+    // Validated as the plugin would: no version we answer in.
     assert_eq!(r["failed"]["code"], 1, "{r}");
     assert!(
         r["failed"]["msg"]
             .as_str()
             .unwrap()
-            .starts_with("cniVersion \"\" is not supported"),
+            .starts_with("cniVersion \"9.9.9\" is not supported"),
         "{r}"
     );
 

@@ -1,0 +1,296 @@
+//! One validator, in truth: over generated and mutated network configs, the NAD validator (the
+//! webhook's and `whereabouts-operator validate`'s) accepts a config if and only if the plugin
+//! does not refuse it at ADD with a configuration error. No cluster: the plugin's `load` is where
+//! an ADD reads and checks its config, before any API call.
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+use whereabouts::cni::protocol::{Command, code};
+use whereabouts::cni::{FlatSource, Invocation, load};
+use whereabouts::validate::check_spec_config;
+
+/// The plugin's verdict: `Ok` or the CNI error code and message.
+fn plugin(config: &str) -> Result<(), (u32, String)> {
+    let env = |k: &str| match k {
+        "CNI_CONTAINERID" => Some("c1".to_owned()),
+        "CNI_IFNAME" => Some("net1".to_owned()),
+        "CNI_ARGS" => {
+            Some("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u".to_owned())
+        }
+        _ => None,
+    };
+    let inv = Invocation {
+        env: &env,
+        stdin: config,
+        flat_file: FlatSource::Paths(vec![]),
+    };
+    load(Command::Add, &inv)
+        .map(|_| ())
+        .map_err(|e| (e.code, e.msg))
+}
+
+/// Codes that mean "this configuration cannot work": what the validator must have refused.
+fn is_config_error(code: u32) -> bool {
+    matches!(
+        code,
+        code::INCOMPATIBLE_VERSION | code::UNSUPPORTED_FIELD | code::DECODE | code::INVALID_CONFIG
+    )
+}
+
+fn agree(config: &str) -> Result<(), TestCaseError> {
+    let nad = check_spec_config(config);
+    // A NAD may leave its range to the node's flat file, which the validator cannot see: it warns
+    // and accepts (by design), and the plugin refuses only on a node whose flat file has none.
+    prop_assume!(
+        !nad.warnings
+            .iter()
+            .any(|w| w.reason.contains("flat file must supply")),
+        "range left to the flat file"
+    );
+    let refused_at_add = match plugin(config) {
+        Ok(()) => None,
+        Err((c, msg)) if is_config_error(c) => Some(format!("code {c}: {msg}")),
+        // Anything else (environment, ...) is not the config's fault here.
+        Err((c, msg)) => {
+            return Err(TestCaseError::fail(format!(
+                "unexpected code {c} ({msg}) for {config}"
+            )));
+        }
+    };
+    prop_assert!(nad.whereabouts, "not seen as whereabouts: {config}");
+    prop_assert_eq!(
+        nad.is_valid(),
+        refused_at_add.is_none(),
+        "validator errors {:?}, plugin {:?}, config {}",
+        nad.errors.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
+        refused_at_add,
+        config
+    );
+    Ok(())
+}
+
+fn version() -> impl Strategy<Value = Option<Value>> {
+    prop_oneof![
+        Just(None),
+        prop::sample::select(vec![
+            "", "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0", "1.2.3.4", "0.2",
+            "2.0.0", " 1.0.0", "latest",
+        ])
+        .prop_map(|v| Some(json!(v))),
+        prop::sample::select(vec![
+            json!(-1),
+            json!(1.0),
+            json!(null),
+            json!(true),
+            json!([])
+        ])
+        .prop_map(Some),
+    ]
+}
+
+fn cidr() -> impl Strategy<Value = Value> {
+    prop::sample::select(vec![
+        json!("10.0.0.0/24"),
+        json!("10.0.1.0/24"),
+        json!("10.0.0.128/25"),
+        json!("192.168.7.9/30"),
+        json!("10.0.0.5/32"),
+        json!("fd00::/64"),
+        json!("fd00:0:0:1::/120"),
+        json!("10.0.0.0/33"),
+        json!("abc.1.0.0/24"),
+        json!("10.0.0.0"),
+        json!(""),
+        json!(7),
+    ])
+}
+
+fn address() -> impl Strategy<Value = Value> {
+    prop::sample::select(vec![
+        json!("10.0.0.10"),
+        json!("10.0.0.200"),
+        json!("10.0.1.3"),
+        json!("fd00::5"),
+        json!("10.0.0.300"),
+        json!(""),
+        json!(3),
+    ])
+}
+
+/// An `ipRanges` entry or the top level's range keys.
+fn range_keys() -> impl Strategy<Value = serde_json::Map<String, Value>> {
+    (
+        prop::option::weighted(0.9, cidr()),
+        prop::option::of(address()),
+        prop::option::of(address()),
+        prop::option::of(prop::collection::vec(cidr(), 0..3)),
+    )
+        .prop_map(|(range, start, end, exclude)| {
+            let mut m = serde_json::Map::new();
+            if let Some(r) = range {
+                m.insert("range".into(), r);
+            }
+            if let Some(s) = start {
+                m.insert("range_start".into(), s);
+            }
+            if let Some(e) = end {
+                m.insert("range_end".into(), e);
+            }
+            if let Some(x) = exclude {
+                m.insert("exclude".into(), json!(x));
+            }
+            m
+        })
+}
+
+fn ipam() -> impl Strategy<Value = Value> {
+    (
+        range_keys(),
+        prop::option::of(prop::collection::vec(range_keys(), 0..3)),
+        prop::option::of(prop::sample::select(vec![
+            json!([{"address": "10.5.0.5/24"}]),
+            json!([{"address": "10.5.0.5/24"}, {"address": "fd05::5/64"}]),
+            json!([{"address": "fd05::5/64", "gateway": "fd05::1"}]),
+            json!([{"address": "nope"}]),
+        ])),
+        prop::option::of(prop::sample::select(vec![
+            json!("10.0.0.1"),
+            json!("fd00::1"),
+            json!("x"),
+        ])),
+        prop::option::of(prop::sample::select(vec![
+            json!([{"dst": "0.0.0.0/0"}]),
+            json!([{"dst": "::/0"}, {"dst": "10.9.0.0/16", "gw": "10.0.0.1"}]),
+            json!([{"dst": "bad"}]),
+        ])),
+        prop::option::of(prop::sample::select(vec![
+            json!("blue"),
+            json!("Not_A_DNS-Name!"),
+            json!(""),
+        ])),
+    )
+        .prop_map(|(top, ranges, addresses, gateway, routes, network_name)| {
+            let mut m = top;
+            m.insert("type".into(), json!("whereabouts"));
+            let optional = [
+                ("ipRanges", ranges.map(|r| json!(r))),
+                ("addresses", addresses),
+                ("gateway", gateway),
+                ("routes", routes),
+                ("network_name", network_name),
+            ];
+            for (key, value) in optional {
+                if let Some(v) = value {
+                    m.insert(key.into(), v);
+                }
+            }
+            Value::Object(m)
+        })
+}
+
+/// A plugin config or a conflist holding `ipam`, with `version` at the top.
+fn config() -> impl Strategy<Value = Value> {
+    (version(), ipam(), any::<bool>()).prop_map(|(version, ipam, list)| {
+        let mut c = if list {
+            json!({"name": "n", "plugins": [{"type": "bridge", "ipam": ipam}, {"type": "tuning"}]})
+        } else {
+            json!({"name": "n", "type": "macvlan", "master": "eth0", "ipam": ipam})
+        };
+        if let Some(v) = version {
+            c["cniVersion"] = v;
+        }
+        c
+    })
+}
+
+/// Values that break a key's type or meaning.
+fn garbage() -> impl Strategy<Value = Value> {
+    prop::sample::select(vec![
+        json!(null),
+        json!(true),
+        json!(-1),
+        json!(""),
+        json!("x".repeat(300)),
+        json!([]),
+        json!({}),
+        json!(["10.0.0.0/24"]),
+        json!({"range": "10.0.0.0/24"}),
+    ])
+}
+
+/// A generated config with one key of its ipam (or the version) replaced, added or removed.
+fn mutated() -> impl Strategy<Value = Value> {
+    let keys = prop::sample::select(vec![
+        "range",
+        "range_start",
+        "range_end",
+        "exclude",
+        "ipRanges",
+        "addresses",
+        "gateway",
+        "routes",
+        "network_name",
+        "enable_overlapping_ranges",
+        "dns",
+        "log_level",
+        "log_file",
+        "cniVersion",
+    ]);
+    (config(), keys, prop::option::of(garbage())).prop_map(|(mut c, key, value)| {
+        let target = if key == "cniVersion" {
+            &mut c
+        } else if c.get("plugins").is_some() {
+            &mut c["plugins"][0]["ipam"]
+        } else {
+            &mut c["ipam"]
+        };
+        let obj = target.as_object_mut().unwrap();
+        match value {
+            Some(v) => obj.insert(key.into(), v),
+            None => obj.remove(key),
+        };
+        c
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 3000, max_global_rejects: 3000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn generated_configs(c in config()) {
+        agree(&c.to_string())?;
+    }
+
+    #[test]
+    fn mutated_configs(c in mutated()) {
+        agree(&c.to_string())?;
+    }
+}
+
+/// The three configs the issue names, refused by both with the same words.
+#[test]
+fn the_reported_versions_are_refused_by_both() {
+    for (version, words) in [
+        (json!("1.2.3.4"), r#"cniVersion "1.2.3.4" is not supported"#),
+        (json!(-1), r#"cniVersion "-1" must be a string"#),
+    ] {
+        let c = json!({"cniVersion": version, "name": "n", "type": "macvlan",
+                       "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}})
+        .to_string();
+        let nad = check_spec_config(&c);
+        assert!(
+            nad.errors[0].to_string().starts_with(words),
+            "{:?}",
+            nad.errors
+        );
+        let (code, msg) = plugin(&c).unwrap_err();
+        assert_eq!(code, code::INCOMPATIBLE_VERSION);
+        assert!(msg.starts_with(words), "{msg}");
+    }
+    // 0.2.0 works, as with upstream.
+    let c = json!({"cniVersion": "0.2.0", "name": "n", "type": "macvlan",
+                   "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}})
+    .to_string();
+    assert!(check_spec_config(&c).is_valid());
+    assert!(plugin(&c).is_ok());
+}
