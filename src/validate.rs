@@ -113,38 +113,76 @@ pub fn spec_config(object: &Value) -> Option<&str> {
     object.get("spec")?.get("config")?.as_str()
 }
 
-/// Warnings for every range of `mine` whose window overlaps a range of another NAD in the same
+/// How many of the overlapping NADs a warning names; the others are counted. One warning per
+/// range, whatever the number of NADs: a thousand NADs sharing one range (one per namespace, the
+/// common multi-tenant pattern) give each NAD one line, not a thousand.
+pub const OVERLAP_EXAMPLES: usize = 3;
+
+/// What one range overlaps in other NADs of its network: how many ranges, and the first few.
+#[derive(Debug, Default)]
+struct Overlaps {
+    count: usize,
+    /// `(namespace/name, range)` of the first [`OVERLAP_EXAMPLES`] found.
+    examples: Vec<(String, ipnet::IpNet)>,
+}
+
+impl Overlaps {
+    fn add(&mut self, other: &str, theirs: &NadRange) {
+        self.count += 1;
+        if self.examples.len() < OVERLAP_EXAMPLES {
+            self.examples.push((other.to_owned(), theirs.range.cidr()));
+        }
+    }
+}
+
+/// One warning for every range of `mine` whose window overlaps ranges of other NADs in the same
 /// network. `others` yields `(namespace/name, ranges)`; the caller leaves the NAD itself out.
 pub fn overlap_warnings<'a>(
     mine: &[NadRange],
     others: impl IntoIterator<Item = (&'a str, &'a [NadRange])>,
 ) -> Vec<Problem> {
-    let mut out = Vec::new();
+    let mut found: Vec<Overlaps> = mine.iter().map(|_| Overlaps::default()).collect();
     for (other, ranges) in others {
         for theirs in ranges {
-            for r in mine.iter().filter(|r| {
-                r.network_name == theirs.network_name && r.range.windows_overlap(&theirs.range)
-            }) {
-                out.push(overlap_problem(r, other, theirs));
+            for (r, f) in mine.iter().zip(found.iter_mut()) {
+                if r.network_name == theirs.network_name && r.range.windows_overlap(&theirs.range) {
+                    f.add(other, theirs);
+                }
             }
         }
     }
-    out
+    mine.iter()
+        .zip(found)
+        .filter(|(_, f)| f.count > 0)
+        .map(|(r, f)| overlap_problem(r, &f))
+        .collect()
 }
 
-fn overlap_problem(r: &NadRange, other: &str, theirs: &NadRange) -> Problem {
+fn overlap_problem(r: &NadRange, found: &Overlaps) -> Problem {
     let network = match &r.network_name {
         Some(n) => format!("network_name {n:?}"),
         None => "the default network (no network_name)".to_owned(),
     };
-    Problem::with_value(
-        r.path.clone(),
-        r.range.cidr(),
-        format!(
-            "overlaps range {} of NetworkAttachmentDefinition {other} in {network}: the two share addresses through reservations",
-            theirs.range.cidr()
+    let reason = match found.examples.as_slice() {
+        [(other, theirs)] if found.count == 1 => format!(
+            "overlaps range {theirs} of NetworkAttachmentDefinition {other} in {network}: the two share addresses through reservations"
         ),
-    )
+        examples => {
+            let named: Vec<String> = examples.iter().map(|(o, t)| format!("{o} ({t})")).collect();
+            let more = found.count - examples.len();
+            format!(
+                "overlaps {} ranges of other NetworkAttachmentDefinitions in {network}: {}{}; they share addresses through reservations",
+                found.count,
+                named.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            )
+        }
+    };
+    Problem::with_value(r.path.clone(), r.range.cidr(), reason)
 }
 
 /// How serious a finding of the offline command is.
@@ -343,21 +381,24 @@ pub fn findings(nads: &[CheckedNad]) -> Vec<Finding> {
             f
         })
         .collect();
-    for (a, ra, b, rb) in overlapping_pairs(nads) {
-        let (na, nb) = (&nads[a], &nads[b]);
-        let pa = overlap_problem(ra, &nb.key(), rb);
-        let pb = overlap_problem(rb, &na.key(), ra);
-        per_nad[a].push(na.finding(Severity::Warning, &pa));
-        per_nad[b].push(nb.finding(Severity::Warning, &pb));
+    for (i, r, found) in overlaps_per_range(nads) {
+        let n = &nads[i];
+        per_nad[i].push(n.finding(Severity::Warning, &overlap_problem(r, &found)));
     }
     per_nad.into_iter().flatten().collect()
 }
 
-type Pair<'a> = (usize, &'a NadRange, usize, &'a NadRange);
 type Indexed<'a> = (usize, &'a NadRange);
 
-fn overlapping_pairs(nads: &[CheckedNad]) -> Vec<Pair<'_>> {
-    // Keyed by network name and family: only ranges that share both can overlap.
+/// How far back from a range, in window-start order, the report looks for example NADs; the
+/// count is exact whatever this is.
+const EXAMPLE_LOOKBACK: usize = 64;
+
+/// For every range of every NAD that overlaps ranges of other NADs in its network: the NAD, the
+/// range and what it overlaps. Ranges are grouped by network and family and sorted by window
+/// start and by window end, so each range's count is two binary searches: O(n log n) in all,
+/// however many pairs overlap.
+fn overlaps_per_range(nads: &[CheckedNad]) -> Vec<(usize, &NadRange, Overlaps)> {
     let mut by_network: BTreeMap<(Option<&str>, bool), Vec<Indexed<'_>>> = BTreeMap::new();
     for (i, n) in nads.iter().enumerate() {
         for r in &n.check.ranges {
@@ -368,23 +409,54 @@ fn overlapping_pairs(nads: &[CheckedNad]) -> Vec<Pair<'_>> {
                 .push((i, r));
         }
     }
-    let mut pairs = Vec::new();
+    let mut out = Vec::new();
     for (_, mut ranges) in by_network {
-        ranges.sort_by_key(|(_, r)| r.range.window().0);
-        // `active` holds the ranges that started earlier and may still reach the current one.
-        let mut active: Vec<Indexed<'_>> = Vec::new();
-        for (i, r) in ranges {
-            let start = r.range.window().0;
-            active.retain(|(_, a)| a.range.window().1 >= start);
-            for &(j, a) in &active {
-                if j != i && a.range.windows_overlap(&r.range) {
-                    pairs.push((j, a, i, r));
+        ranges.sort_by_key(|(_, r)| r.range.window_bounds());
+        let starts: Vec<u128> = ranges
+            .iter()
+            .map(|(_, r)| r.range.window_bounds().0)
+            .collect();
+        let mut ends: Vec<u128> = ranges
+            .iter()
+            .map(|(_, r)| r.range.window_bounds().1)
+            .collect();
+        ends.sort_unstable();
+        let mut by_nad: BTreeMap<usize, Vec<&NadRange>> = BTreeMap::new();
+        for &(i, r) in &ranges {
+            by_nad.entry(i).or_default().push(r);
+        }
+        for (p, &(i, r)) in ranges.iter().enumerate() {
+            let (lo, hi) = r.range.window_bounds();
+            // Ranges starting at or before `hi`, less those that ended before `lo`.
+            let all = starts.partition_point(|&s| s <= hi) - ends.partition_point(|&e| e < lo);
+            // ... less this NAD's own (the range itself included).
+            let own = by_nad[&i]
+                .iter()
+                .filter(|o| o.range.windows_overlap(&r.range))
+                .count();
+            if all == own {
+                continue;
+            }
+            let mut found = Overlaps {
+                count: all - own,
+                examples: Vec::new(),
+            };
+            let later = ranges[p + 1..]
+                .iter()
+                .take_while(|(_, o)| o.range.window_bounds().0 <= hi);
+            let earlier = ranges[..p].iter().rev().take(EXAMPLE_LOOKBACK);
+            for (j, o) in later.chain(earlier) {
+                if found.examples.len() == OVERLAP_EXAMPLES {
+                    break;
+                }
+                if *j != i && o.range.windows_overlap(&r.range) {
+                    found.examples.push((nads[*j].key(), o.range.cidr()));
                 }
             }
-            active.push((i, r));
+            out.push((i, r, found));
         }
     }
-    pairs
+    out
 }
 
 #[cfg(test)]
@@ -471,8 +543,90 @@ mod tests {
             mk("c", "10.1.0.0/24", None),
             mk("d", "10.0.200.0/24", None),
         ];
-        let pairs = overlapping_pairs(&nads);
-        assert_eq!(pairs.len(), 1);
-        assert_eq!((pairs[0].0, pairs[0].2), (0, 3));
+        let found = overlaps_per_range(&nads);
+        let seen: Vec<(usize, usize, &str)> = found
+            .iter()
+            .map(|(i, _, f)| (*i, f.count, f.examples[0].0.as_str()))
+            .collect();
+        assert_eq!(seen, [(0, 1, "ns/d"), (3, 1, "ns/a")]);
+    }
+
+    /// The binary-search counts equal a brute-force count, over random layouts of ranges in two
+    /// networks, with NADs of one and two ranges.
+    #[test]
+    fn overlap_counts_match_brute_force() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..200 {
+            let nads: Vec<CheckedNad> = (0..rng.usize(1..40))
+                .map(|k| {
+                    let range = |rng: &mut fastrand::Rng| {
+                        let prefix = rng.u8(26..31);
+                        let base =
+                            u32::from(std::net::Ipv4Addr::new(10, 0, 0, 0)) + rng.u32(0..64) * 8;
+                        format!("{}/{prefix}", std::net::Ipv4Addr::from(base))
+                    };
+                    let mut ipam =
+                        serde_json::json!({"type": "whereabouts", "range": range(&mut rng)});
+                    if rng.bool() {
+                        ipam["ipRanges"] = serde_json::json!([{"range": range(&mut rng)}]);
+                    }
+                    if rng.bool() {
+                        ipam["network_name"] = "blue".into();
+                    }
+                    let text = nad(
+                        &format!("n{k}"),
+                        &serde_json::json!({"ipam": ipam}).to_string(),
+                    );
+                    check_object("f", k + 1, &serde_json::from_str(&text).unwrap()).unwrap()
+                })
+                .collect();
+            let mut want = Vec::new();
+            for (i, n) in nads.iter().enumerate() {
+                for r in &n.check.ranges {
+                    let count = nads
+                        .iter()
+                        .enumerate()
+                        .filter(|(j, _)| *j != i)
+                        .flat_map(|(_, o)| &o.check.ranges)
+                        .filter(|o| {
+                            o.network_name == r.network_name && o.range.windows_overlap(&r.range)
+                        })
+                        .count();
+                    if count > 0 {
+                        want.push((i, r.path.clone(), count));
+                    }
+                }
+            }
+            let mut got: Vec<(usize, String, usize)> = overlaps_per_range(&nads)
+                .into_iter()
+                .map(|(i, r, f)| {
+                    assert_eq!(f.examples.len(), f.count.min(OVERLAP_EXAMPLES), "{f:?}");
+                    (i, r.path.clone(), f.count)
+                })
+                .collect();
+            want.sort();
+            got.sort();
+            assert_eq!(got, want);
+        }
+    }
+
+    /// One NAD per namespace on one range: one line per NAD, naming three others and counting.
+    #[test]
+    fn many_nads_on_one_range_give_one_bounded_warning_each() {
+        let text: String = (0..1000)
+            .map(|k| {
+                let c = r#"{"cniVersion":"1.0.0","type":"macvlan","ipam":{"type":"whereabouts","range":"10.0.0.0/16"}}"#;
+                format!("---\n{}\n", nad(&format!("n{k}"), c))
+            })
+            .collect();
+        let nads = check_text("f.yaml", &text).unwrap();
+        let f = findings(&nads);
+        assert_eq!(f.len(), 1000);
+        assert!(
+            f[0].message.ends_with("overlaps 999 ranges of other NetworkAttachmentDefinitions in the default network (no network_name): ns/n1 (10.0.0.0/16), ns/n2 (10.0.0.0/16), ns/n3 (10.0.0.0/16) and 996 more; they share addresses through reservations"),
+            "{}",
+            f[0].message
+        );
+        assert!(f.iter().all(|f| f.message.len() < 400));
     }
 }

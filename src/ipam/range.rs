@@ -190,6 +190,11 @@ impl AddrRange {
             && hi >= self.base + self.first
     }
 
+    /// The window's first and last address as integers, for ordering and comparing windows.
+    pub fn window_bounds(&self) -> (u128, u128) {
+        (self.base + self.first, self.base + self.last)
+    }
+
     /// True when the two ranges' windows share at least one address.
     pub fn windows_overlap(&self, other: &AddrRange) -> bool {
         self.family == other.family
