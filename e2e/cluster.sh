@@ -38,128 +38,27 @@ PKI="$STATE_DIR/pki"
 # Start order; `down` stops them in reverse.
 COMPONENTS=(etcd kube-apiserver kube-controller-manager)
 
-# Cluster configuration. No traffic ever goes to the service range: there is
-# no kube-proxy; it only has to be a valid CIDR for ClusterIP allocation.
+# Cluster configuration. Without a node no traffic goes to the service range;
+# with e2e/node.sh, kube-proxy serves it on that node only (see node.sh).
 SERVICE_CIDR="10.96.0.0/16"
 SA_ISSUER="https://kubernetes.default.svc.cluster.local"
 
-log() { printf '[cluster] %s\n' "$*" >&2; }
-die() { printf '[cluster] ERROR: %s\n' "$*" >&2; exit 1; }
+# Pid files, logs, start/stop/wait: shared with e2e/node.sh.
+PROC_DIR="$STATE_DIR"
+PROC_TAG=cluster
+exe_of() { echo "$BIN_DIR/$1"; }
+# shellcheck source=lib/procs.sh
+source "$E2E_DIR/lib/procs.sh"
 
-# ---------------------------------------------------------------- processes
-
-# Is PID one of OUR processes for component NAME? Guards against a pid file
-# that outlived its process and a pid that got reused by something else. The
-# process is either already the binary or the `bash -c ... exec` wrapper that
-# is about to become it (then the binary path is in its argv).
-is_our_process() {
-  local pid="$1" name="$2" exe
-  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-  [[ -d "/proc/$pid" ]] || return 1
-  # A zombie has exited; it only waits to be reaped by its parent.
-  [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != "Z" ]] || return 1
-  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
-  exe="${exe% (deleted)}" # binary replaced by a rebuild while running
-  [[ "$exe" == "$BIN_DIR/$name" ]] && return 0
-  { tr '\0' '\n' < "/proc/$pid/cmdline"; } 2>/dev/null | grep -qxF "$BIN_DIR/$name"
-}
-
-pid_of() { cat "$STATE_DIR/$1.pid" 2>/dev/null || true; }
-
-# Stops the processes named by the pid files, newest first: SIGTERM, wait up
-# to 20 s, then SIGKILL. Never looks processes up by name.
+# Stops the components by their pid files, newest first.
 stop_components() {
-  local i name pid waited
-  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
-    name="${COMPONENTS[$i]}"
-    pid="$(pid_of "$name")"
-    [[ -n "$pid" ]] || continue
-    if is_our_process "$pid" "$name"; then
-      log "stopping $name (pid $pid)"
-      kill -TERM "$pid" 2>/dev/null || true
-      waited=0
-      while is_our_process "$pid" "$name"; do
-        if ((waited >= 200)); then
-          log "$name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
-          kill -KILL "$pid" 2>/dev/null || true
-        fi
-        if ((waited >= 300)); then
-          die "$name (pid $pid) did not exit after SIGKILL"
-        fi
-        sleep 0.1
-        waited=$((waited + 1))
-      done
-    fi
-    rm -f "$STATE_DIR/$name.pid"
-  done
-}
-
-# start NAME ARGS...: runs $BIN_DIR/NAME detached (own session, so a Ctrl-C
-# or hangup of the caller's terminal does not reach it; stdio not inherited,
-# so a caller reading our stdout gets EOF when `up` exits; the lock fd 9 is
-# closed so the daemon does not keep holding the up/down lock). The wrapper
-# writes its own pid and then execs the binary, so the pid file is exact.
-start() {
-  local name="$1"; shift
-  log "starting $name (log: $STATE_DIR/$name.log)"
-  # shellcheck disable=SC2016 # $$, $1 and $@ are for the inner bash
-  setsid bash -c 'echo $$ > "$1"; shift; exec "$@"' _ \
-    "$STATE_DIR/$name.pid" "$BIN_DIR/$name" "$@" \
-    </dev/null >>"$STATE_DIR/$name.log" 2>&1 9<&- &
   local i
-  for i in $(seq 50); do
-    [[ -s "$STATE_DIR/$name.pid" ]] && return 0
-    sleep 0.1
-  done
-  die "$name did not start (no pid file after 5 s)"
-}
-
-# Print the last lines of a component log to stderr, with a hint if the
-# usual suspect (a port grabbed by someone else) shows up.
-show_log() {
-  local name="$1" f="$STATE_DIR/$1.log"
-  [[ -f "$f" ]] || return 0
-  printf '[cluster] ----- last 40 lines of %s -----\n' "$f" >&2
-  tail -n 40 "$f" >&2 || true
-  printf '[cluster] ----- end of %s -----\n' "$f" >&2
-  if grep -qiE 'address already in use|bind: address' "$f"; then
-    log "$name could not bind its port: port in use (see above)"
-  fi
-}
-
-# wait_for NAME WHAT CMD...: polls CMD every 0.5 s until it succeeds, at most
-# $TIMEOUT s, failing early if the component's process is gone.
-wait_for() {
-  local name="$1" what="$2"; shift 2
-  local deadline=$((SECONDS + TIMEOUT))
-  until "$@" >/dev/null 2>&1; do
-    if ! is_our_process "$(pid_of "$name")" "$name"; then
-      show_log "$name"
-      die "$name exited while waiting for $what"
-    fi
-    if ((SECONDS >= deadline)); then
-      show_log "$name"
-      die "$what: not within ${TIMEOUT} s"
-    fi
-    sleep 0.5
+  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+    stop_one "${COMPONENTS[$i]}"
   done
 }
 
 # ------------------------------------------------------------------- ports
-
-# Prints N distinct free TCP ports on 127.0.0.1 (bound at once, so distinct,
-# then released; the kernel does not hand them out again right away).
-free_ports() {
-  python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
 
 port_is_free() {
   python3 - "$1" <<'EOF'

@@ -56,9 +56,9 @@ CTR=(ctr --address "$SOCK" --namespace k8s.io)
 # Start order; stops go in reverse.
 COMPONENTS=(containerd api-forward kube-scheduler kubelet kube-proxy)
 
-log() { printf '[node] %s\n' "$*" >&2; }
-die() { printf '[node] ERROR: %s\n' "$*" >&2; exit 1; }
-
+# Pid files, logs, start/stop/wait: shared with e2e/cluster.sh.
+PROC_DIR="$NODE_DIR"
+PROC_TAG=node
 exe_of() {
   case "$1" in
     containerd) command -v containerd ;;
@@ -66,86 +66,11 @@ exe_of() {
     *) echo "$BIN_DIR/$1" ;;
   esac
 }
-
-# -------------------------------------------------------------- processes (as cluster.sh)
-
-is_our_process() {
-  local pid="$1" exe want
-  [[ "$pid" =~ ^[0-9]+$ && -d "/proc/$pid" ]] || return 1
-  [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != "Z" ]] || return 1
-  want="$(exe_of "$2")"
-  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
-  exe="${exe% (deleted)}"
-  [[ "$exe" == "$want" ]] && return 0
-  { tr '\0' '\n' < "/proc/$pid/cmdline"; } 2>/dev/null | grep -qxF "$want"
-}
-
-pid_of() { cat "$NODE_DIR/$1.pid" 2>/dev/null || true; }
-
-stop_one() {
-  local name="$1" pid waited=0
-  pid="$(pid_of "$name")"
-  if [[ -n "$pid" ]] && is_our_process "$pid" "$name"; then
-    log "stopping $name (pid $pid)"
-    kill -TERM "$pid" 2>/dev/null || true
-    while is_our_process "$pid" "$name"; do
-      ((waited == 150)) && { log "$name ignored SIGTERM for 15 s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; }
-      ((waited < 300)) || die "$name (pid $pid) did not exit after SIGKILL"
-      sleep 0.1
-      waited=$((waited + 1))
-    done
-  fi
-  rm -f "$NODE_DIR/$name.pid"
-}
-
-start() {
-  local name="$1"; shift
-  log "starting $name (log: $NODE_DIR/$name.log)"
-  # shellcheck disable=SC2016 # $$, $1 and $@ are for the inner bash
-  setsid bash -c 'echo $$ > "$1"; shift; exec "$@"' _ \
-    "$NODE_DIR/$name.pid" "$(exe_of "$name")" "$@" \
-    </dev/null >>"$NODE_DIR/$name.log" 2>&1 8<&- &
-  local i
-  for i in $(seq 50); do
-    [[ -s "$NODE_DIR/$name.pid" ]] && return 0
-    sleep 0.1
-  done
-  die "$name did not start (no pid file after 5 s)"
-}
-
-show_log() {
-  [[ -f "$NODE_DIR/$1.log" ]] || return 0
-  printf '[node] ----- last 30 lines of %s -----\n' "$NODE_DIR/$1.log" >&2
-  tail -n 30 "$NODE_DIR/$1.log" >&2 || true
-}
-
-wait_for() {
-  local name="$1" what="$2"; shift 2
-  local deadline=$((SECONDS + TIMEOUT))
-  until "$@" >/dev/null 2>&1; do
-    if ! is_our_process "$(pid_of "$name")" "$name"; then
-      show_log "$name"
-      die "$name exited while waiting for $what"
-    fi
-    if ((SECONDS >= deadline)); then
-      show_log "$name"
-      die "$what: not within $TIMEOUT s"
-    fi
-    sleep 0.5
-  done
-}
+# shellcheck source=lib/procs.sh
+source "$E2E_DIR/lib/procs.sh"
 
 kubectl_admin() { "$BIN_DIR/kubectl" --kubeconfig "$STATE_DIR/kubeconfig" "$@"; }
 
-free_ports() {
-  python3 - "$1" <<'EOF'
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
 
 # ------------------------------------------------------------------- identities
 

@@ -257,23 +257,7 @@ fn a_rolling_update_of_the_daemonset_while_pods_start_fails_no_pod_for_good() {
     );
     w.deployment("web", 0);
     w.scale("deployment/web", 30);
-    kubectl_ok(&[
-        "-n",
-        SYSTEM_NS,
-        "set",
-        "image",
-        "daemonset/whereabouts-node",
-        &format!("install-cni={next}"),
-        &format!("agent={next}"),
-    ]);
-    kubectl_ok(&[
-        "-n",
-        SYSTEM_NS,
-        "rollout",
-        "status",
-        "daemonset/whereabouts-node",
-        "--timeout=180s",
-    ]);
+    roll_node_daemonset(&next);
     let pods = w.wait_running("app=web", 30, 420);
     distinct_pod_ips(&pods);
     wait_until(60, "pools hold exactly the 30 pods", || converged(&w, 30));
@@ -284,6 +268,11 @@ fn a_rolling_update_of_the_daemonset_while_pods_start_fails_no_pod_for_good() {
         failed.len()
     );
     // Back to the installed image, for the tests that follow.
+    roll_node_daemonset(&image);
+}
+
+/// Sets both containers of the node DaemonSet to `image` and waits for the rollout.
+fn roll_node_daemonset(image: &str) {
     kubectl_ok(&[
         "-n",
         SYSTEM_NS,
