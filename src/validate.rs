@@ -10,8 +10,9 @@
 //! reservations) needs the other NADs: the webhook takes them from its watch cache, the CLI from the
 //! other documents it reads (or the cluster).
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -126,36 +127,111 @@ struct Overlaps {
     examples: Vec<(String, ipnet::IpNet)>,
 }
 
-impl Overlaps {
-    fn add(&mut self, other: &str, theirs: &NadRange) {
-        self.count += 1;
-        if self.examples.len() < OVERLAP_EXAMPLES {
-            self.examples.push((other.to_owned(), theirs.range.cidr()));
-        }
-    }
+/// One warning for every range of `mine` (the NAD `me`, `namespace/name`) whose window overlaps
+/// ranges of other NADs in the same network. Ranges of `me` in the index (its stored version) do
+/// not count.
+pub fn overlap_warnings(mine: &[NadRange], me: &str, index: &RangeIndex) -> Vec<Problem> {
+    mine.iter()
+        .filter_map(|r| {
+            let found = index.overlaps(r, me);
+            (found.count > 0).then(|| overlap_problem(r, &found))
+        })
+        .collect()
 }
 
-/// One warning for every range of `mine` whose window overlaps ranges of other NADs in the same
-/// network. `others` yields `(namespace/name, ranges)`; the caller leaves the NAD itself out.
-pub fn overlap_warnings<'a>(
-    mine: &[NadRange],
-    others: impl IntoIterator<Item = (&'a str, &'a [NadRange])>,
-) -> Vec<Problem> {
-    let mut found: Vec<Overlaps> = mine.iter().map(|_| Overlaps::default()).collect();
-    for (other, ranges) in others {
-        for theirs in ranges {
-            for (r, f) in mine.iter().zip(found.iter_mut()) {
-                if r.network_name == theirs.network_name && r.range.windows_overlap(&theirs.range) {
-                    f.add(other, theirs);
-                }
+/// How far back from a range, in window-start order, a query looks for example NADs; the count
+/// is exact whatever this is.
+const EXAMPLE_LOOKBACK: usize = 64;
+
+/// The ranges of many NADs, for overlap questions: grouped by network name and family (only
+/// ranges that share both can overlap) and sorted by window start and by window end, so that how
+/// many ranges a window overlaps is two binary searches, and naming a few is a short walk. Built
+/// in O(n log n); a query costs O(log n + examples).
+#[derive(Debug, Default)]
+pub struct RangeIndex {
+    groups: HashMap<(Option<String>, bool), Group>,
+}
+
+#[derive(Debug, Default)]
+struct Group {
+    /// `(namespace/name, range)`, by window start.
+    entries: Vec<(Arc<str>, NadRange)>,
+    starts: Vec<u128>,
+    /// Window ends, sorted on their own.
+    ends: Vec<u128>,
+    /// Positions in `entries` of each NAD's ranges.
+    by_nad: HashMap<Arc<str>, Vec<usize>>,
+}
+
+fn group_key(r: &NadRange) -> (Option<String>, bool) {
+    (r.network_name.clone(), r.range.cidr().addr().is_ipv6())
+}
+
+impl RangeIndex {
+    /// Indexes `(namespace/name, ranges)` of every NAD.
+    pub fn build<'a>(nads: impl IntoIterator<Item = (&'a str, &'a [NadRange])>) -> RangeIndex {
+        let mut groups: HashMap<(Option<String>, bool), Group> = HashMap::new();
+        for (key, ranges) in nads {
+            let key: Arc<str> = Arc::from(key);
+            for r in ranges {
+                let g = groups.entry(group_key(r)).or_default();
+                g.entries.push((key.clone(), r.clone()));
             }
         }
+        for g in groups.values_mut() {
+            g.entries.sort_by_key(|(_, r)| r.range.window_bounds());
+            g.starts = g
+                .entries
+                .iter()
+                .map(|(_, r)| r.range.window_bounds().0)
+                .collect();
+            g.ends = g
+                .entries
+                .iter()
+                .map(|(_, r)| r.range.window_bounds().1)
+                .collect();
+            g.ends.sort_unstable();
+            for (p, (key, _)) in g.entries.iter().enumerate() {
+                g.by_nad.entry(key.clone()).or_default().push(p);
+            }
+        }
+        RangeIndex { groups }
     }
-    mine.iter()
-        .zip(found)
-        .filter(|(_, f)| f.count > 0)
-        .map(|(r, f)| overlap_problem(r, &f))
-        .collect()
+
+    /// What `r` overlaps among the ranges of NADs other than `me`.
+    fn overlaps(&self, r: &NadRange, me: &str) -> Overlaps {
+        let Some(g) = self.groups.get(&group_key(r)) else {
+            return Overlaps::default();
+        };
+        let (lo, hi) = r.range.window_bounds();
+        // Ranges starting at or before `hi`, less those that ended before `lo`...
+        let all = g.starts.partition_point(|&s| s <= hi) - g.ends.partition_point(|&e| e < lo);
+        // ... less `me`'s own.
+        let own = g.by_nad.get(me).map_or(0, |ps| {
+            ps.iter()
+                .filter(|&&p| g.entries[p].1.range.windows_overlap(&r.range))
+                .count()
+        });
+        let mut found = Overlaps {
+            count: all - own,
+            examples: Vec::new(),
+        };
+        // Examples: those starting inside the window all overlap; before it, look back a little.
+        let first = g.starts.partition_point(|&s| s < lo);
+        let inside = g.entries[first..]
+            .iter()
+            .take_while(|(_, o)| o.range.window_bounds().0 <= hi);
+        let before = g.entries[..first].iter().rev().take(EXAMPLE_LOOKBACK);
+        for (key, o) in inside.chain(before) {
+            if found.examples.len() == OVERLAP_EXAMPLES || found.examples.len() == found.count {
+                break;
+            }
+            if &**key != me && o.range.windows_overlap(&r.range) {
+                found.examples.push((key.to_string(), o.range.cidr()));
+            }
+        }
+        found
+    }
 }
 
 fn overlap_problem(r: &NadRange, found: &Overlaps) -> Problem {
@@ -381,82 +457,18 @@ pub fn findings(nads: &[CheckedNad]) -> Vec<Finding> {
             f
         })
         .collect();
-    for (i, r, found) in overlaps_per_range(nads) {
-        let n = &nads[i];
-        per_nad[i].push(n.finding(Severity::Warning, &overlap_problem(r, &found)));
+    let keys: Vec<String> = nads.iter().map(CheckedNad::key).collect();
+    let index = RangeIndex::build(
+        nads.iter()
+            .zip(&keys)
+            .map(|(n, k)| (k.as_str(), n.check.ranges.as_slice())),
+    );
+    for ((n, key), found) in nads.iter().zip(&keys).zip(per_nad.iter_mut()) {
+        for p in overlap_warnings(&n.check.ranges, key, &index) {
+            found.push(n.finding(Severity::Warning, &p));
+        }
     }
     per_nad.into_iter().flatten().collect()
-}
-
-type Indexed<'a> = (usize, &'a NadRange);
-
-/// How far back from a range, in window-start order, the report looks for example NADs; the
-/// count is exact whatever this is.
-const EXAMPLE_LOOKBACK: usize = 64;
-
-/// For every range of every NAD that overlaps ranges of other NADs in its network: the NAD, the
-/// range and what it overlaps. Ranges are grouped by network and family and sorted by window
-/// start and by window end, so each range's count is two binary searches: O(n log n) in all,
-/// however many pairs overlap.
-fn overlaps_per_range(nads: &[CheckedNad]) -> Vec<(usize, &NadRange, Overlaps)> {
-    let mut by_network: BTreeMap<(Option<&str>, bool), Vec<Indexed<'_>>> = BTreeMap::new();
-    for (i, n) in nads.iter().enumerate() {
-        for r in &n.check.ranges {
-            let v6 = r.range.cidr().addr().is_ipv6();
-            by_network
-                .entry((r.network_name.as_deref(), v6))
-                .or_default()
-                .push((i, r));
-        }
-    }
-    let mut out = Vec::new();
-    for (_, mut ranges) in by_network {
-        ranges.sort_by_key(|(_, r)| r.range.window_bounds());
-        let starts: Vec<u128> = ranges
-            .iter()
-            .map(|(_, r)| r.range.window_bounds().0)
-            .collect();
-        let mut ends: Vec<u128> = ranges
-            .iter()
-            .map(|(_, r)| r.range.window_bounds().1)
-            .collect();
-        ends.sort_unstable();
-        let mut by_nad: BTreeMap<usize, Vec<&NadRange>> = BTreeMap::new();
-        for &(i, r) in &ranges {
-            by_nad.entry(i).or_default().push(r);
-        }
-        for (p, &(i, r)) in ranges.iter().enumerate() {
-            let (lo, hi) = r.range.window_bounds();
-            // Ranges starting at or before `hi`, less those that ended before `lo`.
-            let all = starts.partition_point(|&s| s <= hi) - ends.partition_point(|&e| e < lo);
-            // ... less this NAD's own (the range itself included).
-            let own = by_nad[&i]
-                .iter()
-                .filter(|o| o.range.windows_overlap(&r.range))
-                .count();
-            if all == own {
-                continue;
-            }
-            let mut found = Overlaps {
-                count: all - own,
-                examples: Vec::new(),
-            };
-            let later = ranges[p + 1..]
-                .iter()
-                .take_while(|(_, o)| o.range.window_bounds().0 <= hi);
-            let earlier = ranges[..p].iter().rev().take(EXAMPLE_LOOKBACK);
-            for (j, o) in later.chain(earlier) {
-                if found.examples.len() == OVERLAP_EXAMPLES {
-                    break;
-                }
-                if *j != i && o.range.windows_overlap(&r.range) {
-                    found.examples.push((nads[*j].key(), o.range.cidr()));
-                }
-            }
-            out.push((i, r, found));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -543,12 +555,32 @@ mod tests {
             mk("c", "10.1.0.0/24", None),
             mk("d", "10.0.200.0/24", None),
         ];
-        let found = overlaps_per_range(&nads);
-        let seen: Vec<(usize, usize, &str)> = found
-            .iter()
-            .map(|(i, _, f)| (*i, f.count, f.examples[0].0.as_str()))
+        let seen: Vec<(usize, usize, String)> = overlaps_of(&nads)
+            .into_iter()
+            .map(|(i, _, f)| (i, f.count, f.examples[0].0.clone()))
             .collect();
-        assert_eq!(seen, [(0, 1, "ns/d"), (3, 1, "ns/a")]);
+        assert_eq!(seen, [(0, 1, "ns/d".to_owned()), (3, 1, "ns/a".to_owned())]);
+    }
+
+    /// Each NAD's ranges queried against the index of all, as `findings` does: (NAD, range path,
+    /// what it overlaps).
+    fn overlaps_of(nads: &[CheckedNad]) -> Vec<(usize, String, Overlaps)> {
+        let keys: Vec<String> = nads.iter().map(CheckedNad::key).collect();
+        let index = RangeIndex::build(
+            nads.iter()
+                .zip(&keys)
+                .map(|(n, k)| (k.as_str(), n.check.ranges.as_slice())),
+        );
+        let mut out = Vec::new();
+        for (i, (n, k)) in nads.iter().zip(&keys).enumerate() {
+            for r in &n.check.ranges {
+                let f = index.overlaps(r, k);
+                if f.count > 0 {
+                    out.push((i, r.path.clone(), f));
+                }
+            }
+        }
+        out
     }
 
     /// The binary-search counts equal a brute-force count, over random layouts of ranges in two
@@ -597,11 +629,11 @@ mod tests {
                     }
                 }
             }
-            let mut got: Vec<(usize, String, usize)> = overlaps_per_range(&nads)
+            let mut got: Vec<(usize, String, usize)> = overlaps_of(&nads)
                 .into_iter()
-                .map(|(i, r, f)| {
+                .map(|(i, path, f)| {
                     assert_eq!(f.examples.len(), f.count.min(OVERLAP_EXAMPLES), "{f:?}");
-                    (i, r.path.clone(), f.count)
+                    (i, path, f.count)
                 })
                 .collect();
             want.sort();

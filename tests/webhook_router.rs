@@ -377,3 +377,43 @@ async fn readyz_names_each_failing_check() {
         StatusCode::OK
     );
 }
+
+/// One NAD per namespace, all on one range (the common multi-tenant pattern): the admission gets
+/// one warning for its range, with a count and three names, however many NADs share it.
+#[tokio::test]
+async fn thousands_of_overlapping_nads_give_one_bounded_warning() {
+    let many: Vec<Arc<NetworkAttachmentDefinition>> = (0..2000)
+        .map(|i| {
+            nad(
+                &format!("tenant-{i}"),
+                "blue-net",
+                "1",
+                serde_json::json!({"type": "whereabouts", "range": "10.50.0.0/24", "network_name": "blue"}),
+            )
+        })
+        .collect();
+    let app = webhook::router(WebhookState::new(Arc::new(many)));
+    let req = Request::post("/validate")
+        .header("content-type", "application/json")
+        .body(Body::from(fixture("warn-cross-nad")))
+        .unwrap();
+    let out = app
+        .oneshot(req)
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
+    let review: Value = serde_json::from_slice(&out).unwrap();
+    let warnings = review["response"]["warnings"].as_array().unwrap();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let w = warnings[0].as_str().unwrap();
+    assert!(
+        w.contains(r#"overlaps 2000 ranges of other NetworkAttachmentDefinitions in network_name "blue": tenant-"#)
+            && w.ends_with("and 1997 more; they share addresses through reservations"),
+        "{w}"
+    );
+    assert!(w.len() < 400, "{}", w.len());
+}

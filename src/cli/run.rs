@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::admin::{self, AdminState};
 use crate::crd::NetworkAttachmentDefinition;
-use crate::webhook::{self, WebhookState, tls::CertFiles};
+use crate::webhook::{self, WatchedNads, WebhookState, tls::CertFiles};
 
 /// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
 #[derive(Debug, Clone, clap::Args)]
@@ -131,12 +131,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // One NAD watch feeds both the webhook (overlap warnings) and the NAD controller.
     let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
     let nad_changed = Arc::new(tokio::sync::Notify::new());
+    let nad_generation = Arc::new(AtomicU64::new(0));
     let cache = Arc::new(AtomicU8::new(SYNCING));
     tasks.push(Box::pin(nad_cache(
         client.clone(),
         writer,
         cache.clone(),
-        nad_changed.clone(),
+        NadChanged {
+            notify: nad_changed.clone(),
+            generation: nad_generation.clone(),
+        },
         shutdown.clone(),
     )));
 
@@ -155,7 +159,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             });
         let listener = std::net::TcpListener::bind(args.webhook_addr)
             .with_context(|| format!("--webhook-addr {}: cannot listen", args.webhook_addr))?;
-        let app = webhook::router(WebhookState::new(Arc::new(store.clone())));
+        let app = webhook::router(WebhookState::new(Arc::new(WatchedNads {
+            store: store.clone(),
+            generation: nad_generation.clone(),
+        })));
         let files = CertFiles::new(cert, key);
         let stop = shutdown.clone();
         tasks.push(Box::pin(async move {
@@ -272,13 +279,28 @@ async fn client() -> anyhow::Result<(Client, String)> {
     Ok((Client::try_from(config)?, namespace))
 }
 
+/// Who hears of a change of the NAD store: the NAD controller (woken) and the webhook's index
+/// (a generation it compares with the one it was built at).
+struct NadChanged {
+    notify: Arc<tokio::sync::Notify>,
+    generation: Arc<AtomicU64>,
+}
+
+impl NadChanged {
+    fn notify_one(&self) {
+        // The reflector applied the event to the store before yielding it: bump after.
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+}
+
 /// Watches NADs in every namespace into the reflector store the webhook reads. A missing CRD is
 /// not fatal: the webhook then works without overlap warnings, and the watch keeps retrying.
 async fn nad_cache(
     client: Client,
     writer: reflector::store::Writer<NetworkAttachmentDefinition>,
     state: Arc<AtomicU8>,
-    changed: Arc<tokio::sync::Notify>,
+    changed: NadChanged,
     shutdown: Shutdown,
 ) -> anyhow::Result<()> {
     let api: Api<NetworkAttachmentDefinition> = Api::all(client);

@@ -166,11 +166,7 @@ fn judge(req: &Request, object: &Value, nads: &NadIndex) -> Verdict {
         &req.name
     };
     let me = format!("{}/{name}", req.namespace);
-    let others = nads.others(&me);
-    let overlaps = overlap_warnings(
-        &check.ranges,
-        others.iter().map(|(k, r)| (k.as_str(), r.as_slice())),
-    );
+    let overlaps = overlap_warnings(&check.ranges, &me, &nads.index());
     warnings.extend(overlaps.iter().map(message));
     Verdict {
         denial: None,

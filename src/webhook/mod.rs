@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use tower_http::timeout::TimeoutLayer;
 
-pub use index::{NadIndex, NadSource};
+pub use index::{NadIndex, NadSource, WatchedNads};
 
 /// Largest AdmissionReview accepted. The API server caps objects at about 1.5 MiB, but a NAD is a
 /// few hundred bytes; a megabyte leaves room for big conflists and none for abuse.

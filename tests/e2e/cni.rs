@@ -246,10 +246,13 @@ fn errors_are_cni_json_with_the_right_code() {
             .unwrap()
             .contains("no free address in range 10.40.0.0/30")
     );
+    // Upstream's list: a NAD on 0.1.0 or 0.2.0 that works there works here.
     let v = ns.cni("VERSION", &json!({"cniVersion": "1.1.0"}), "", "", "", "");
     assert_eq!(
         v.stdout["supportedVersions"],
-        json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"])
+        json!([
+            "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"
+        ])
     );
     let status = ns.cni("STATUS", &tiny, "", "", "", "");
     assert!(status.ok, "{status:?}");

@@ -211,6 +211,35 @@ fn webhook_rejects_invalid_nads_at_apply_time() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Two NADs on one range of one network: once the operator's NAD watch has seen the first
+    // (its index is rebuilt when the watch moves), the second is admitted with a warning naming it.
+    let net = format!("e2e-{}", ns.name);
+    let shared = serde_json::json!({"cniVersion": "1.0.0", "type": "macvlan", "ipam": {"type": "whereabouts", "range": "10.62.0.0/24", "network_name": net}});
+    let out = ns.apply(&nad_yaml("first", &shared));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want = format!(
+        r#"overlaps range 10.62.0.0/24 of NetworkAttachmentDefinition {}/first in network_name "{net}""#,
+        ns.name
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = ns.apply(&nad_yaml("second", &shared));
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        if stderr.contains(&want) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no overlap warning for {want}: {stderr}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
     // A NAD of another IPAM is not ours: admitted untouched, even with a config we would reject.
     let host_local = serde_json::json!({"cniVersion": "0.3.1", "type": "bridge", "ipam": {"type": "host-local", "subnet": "abc.0.0.0/99"}});
     let out = ns.apply(&nad_yaml("host-local", &host_local));
