@@ -9,7 +9,9 @@
 #    from webhook-certs/mint.sh; vegeta (Go, installed into bench/bin through the Go module proxy)
 #    sends AdmissionReviews for a typical NAD at a constant RATE over keep-alive TLS connections and
 #    reports latency percentiles.
-# SKIP_BUILD=1 uses target/release as it is.
+# SKIP_BUILD=1 uses target/release as it is. CLUSTER_NADS=N first creates N NADs in the cluster
+# (namespace bench-nads) on the range and network of the warn-cross-nad fixture, which is then
+# measured too: each of its admissions is an overlap query against N cached NADs.
 # 2. validate: 10,000 generated NADs in one multi-document YAML file, timed with the release binary
 #    (best of 3).
 set -euo pipefail
@@ -34,6 +36,23 @@ fi
 
 kubeconfig="$(e2e/cluster.sh up | tail -n 1)"
 e2e/bin/kubectl --kubeconfig "$kubeconfig" apply -f crds/ >/dev/null
+CLUSTER_NADS="${CLUSTER_NADS:-0}"
+fixtures=(valid-single invalid-many)
+if ((CLUSTER_NADS > 0)); then
+  e2e/bin/kubectl --kubeconfig "$kubeconfig" create namespace bench-nads >/dev/null
+  python3 - "$CLUSTER_NADS" > "$work/cluster-nads.json" <<'PY'
+import json, sys
+config = json.dumps({"cniVersion": "0.3.1", "type": "macvlan",
+                     "ipam": {"type": "whereabouts", "range": "10.50.0.0/24", "network_name": "blue"}})
+print(json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+    {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+     "metadata": {"name": f"nad-{i}", "namespace": "bench-nads"}, "spec": {"config": config}}
+    for i in range(int(sys.argv[1]))]}))
+PY
+  echo "creating $CLUSTER_NADS NADs in the cluster..." >&2
+  e2e/bin/kubectl --kubeconfig "$kubeconfig" create -f "$work/cluster-nads.json" >/dev/null
+  fixtures+=(warn-cross-nad)
+fi
 webhook-certs/mint.sh --ip 127.0.0.1 --out "$work/certs" >/dev/null 2>&1
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wport="$(free_port)"; aport="$(free_port)"
@@ -61,7 +80,7 @@ print("| %s | %.0f | %d | %.2f | %.2f | %.2f | %.2f | %.1f%% |" % (sys.argv[1], 
 }
 echo "| request | rate (req/s) | requests | p50 (ms) | p90 (ms) | p99 (ms) | max (ms) | 2xx |"
 echo "|---|---|---|---|---|---|---|---|"
-for fixture in valid-single invalid-many; do
+for fixture in "${fixtures[@]}"; do
   # A discarded 5 s warm-up at the same rate: connection set-up, the operator's first watches
   # and lazy initialisation are not what the percentiles should describe.
   target "tests/fixtures/admission/$fixture.json" \
