@@ -71,7 +71,6 @@ source "$E2E_DIR/lib/procs.sh"
 
 kubectl_admin() { "$BIN_DIR/kubectl" --kubeconfig "$STATE_DIR/kubeconfig" "$@"; }
 
-
 # ------------------------------------------------------------------- identities
 
 # node_cert NAME SUBJECT EXT: a key and certificate signed by the cluster CA.
