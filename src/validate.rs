@@ -156,7 +156,6 @@ pub struct RangeIndex {
 struct Group {
     /// `(namespace/name, range)`, by window start.
     entries: Vec<(Arc<str>, NadRange)>,
-    starts: Vec<u128>,
     /// Window ends, sorted on their own.
     ends: Vec<u128>,
     /// Positions in `entries` of each NAD's ranges.
@@ -180,11 +179,6 @@ impl RangeIndex {
         }
         for g in groups.values_mut() {
             g.entries.sort_by_key(|(_, r)| r.range.window_bounds());
-            g.starts = g
-                .entries
-                .iter()
-                .map(|(_, r)| r.range.window_bounds().0)
-                .collect();
             g.ends = g
                 .entries
                 .iter()
@@ -205,7 +199,10 @@ impl RangeIndex {
         };
         let (lo, hi) = r.range.window_bounds();
         // Ranges starting at or before `hi`, less those that ended before `lo`...
-        let all = g.starts.partition_point(|&s| s <= hi) - g.ends.partition_point(|&e| e < lo);
+        let started = g
+            .entries
+            .partition_point(|(_, o)| o.range.window_bounds().0 <= hi);
+        let all = started - g.ends.partition_point(|&e| e < lo);
         // ... less `me`'s own.
         let own = g.by_nad.get(me).map_or(0, |ps| {
             ps.iter()
@@ -217,7 +214,9 @@ impl RangeIndex {
             examples: Vec::new(),
         };
         // Examples: those starting inside the window all overlap; before it, look back a little.
-        let first = g.starts.partition_point(|&s| s < lo);
+        let first = g
+            .entries
+            .partition_point(|(_, o)| o.range.window_bounds().0 < lo);
         let inside = g.entries[first..]
             .iter()
             .take_while(|(_, o)| o.range.window_bounds().0 <= hi);

@@ -213,8 +213,8 @@ fn render_ips(cni_version: &str, ips: &[IpResult], routes: &[Value]) -> Value {
     result
 }
 
-/// The 0.1.0/0.2.0 shape. The config was checked to give one address per family at most
-/// (`result_shape_problem`); CNI_ARGS `IP=` can still add one, which is refused here.
+/// The 0.1.0/0.2.0 shape. `load` refuses a config or CNI_ARGS `IP=` that would give two
+/// addresses of one family; refusing it here too keeps a result from silently dropping one.
 fn render_ip4_ip6(
     cni_version: &str,
     ips: &[IpResult],

@@ -71,22 +71,21 @@ impl NetConf {
     /// plugin refuses such a config at every ADD and the validator refuses the NAD, with this same
     /// problem.
     pub fn version_problem(&self) -> Option<Problem> {
-        let supported = || format!("supported: {}", SUPPORTED_VERSIONS.join(", "));
-        match self.value.get("cniVersion") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(v)) if v.is_empty() => None,
-            Some(Value::String(v)) if SUPPORTED_VERSIONS.contains(&v.as_str()) => None,
-            Some(Value::String(v)) => Some(Problem::with_value(
-                "cniVersion",
-                v,
-                format!("is not supported; {}", supported()),
-            )),
-            Some(other) => Some(Problem::with_value(
-                "cniVersion",
-                other,
-                format!("must be a string; {}", supported()),
-            )),
+        if SUPPORTED_VERSIONS.contains(&self.cni_version.as_str()) {
+            return None;
         }
+        let supported = format!("supported: {}", SUPPORTED_VERSIONS.join(", "));
+        // `parse` left `cni_version` empty for a value that is not a string.
+        Some(match self.value.get("cniVersion") {
+            Some(Value::String(v)) => {
+                Problem::with_value("cniVersion", v, format!("is not supported; {supported}"))
+            }
+            other => Problem::with_value(
+                "cniVersion",
+                other.cloned().unwrap_or_default(),
+                format!("must be a string; {supported}"),
+            ),
+        })
     }
 
     /// Every whereabouts ipam object, with the path it sits at (`ipam` or `plugins[i].ipam`).

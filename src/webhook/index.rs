@@ -27,12 +27,6 @@ pub trait NadSource: Send + Sync {
     }
 }
 
-impl NadSource for Store<NetworkAttachmentDefinition> {
-    fn snapshot(&self) -> Vec<Arc<NetworkAttachmentDefinition>> {
-        self.state()
-    }
-}
-
 /// The operator's NAD cache: the reflector store and a counter its watch loop bumps after each
 /// event has been applied to the store.
 pub struct WatchedNads {
