@@ -182,10 +182,7 @@ etcd_healthy() {
 
 healthy() {
   [[ -f "$KUBECONFIG_PATH" ]] || return 1
-  local name
-  for name in "${COMPONENTS[@]}"; do
-    is_our_process "$(pid_of "$name")" "$name" || return 1
-  done
+  components_running || return 1
   readyz_ok
 }
 

@@ -302,10 +302,7 @@ node_ready() {
 }
 
 healthy() {
-  local name
-  for name in "${COMPONENTS[@]}"; do
-    is_our_process "$(pid_of "$name")" "$name" || return 1
-  done
+  components_running || return 1
   node_ready
 }
 

@@ -5,6 +5,7 @@
 #   PROC_DIR   folder of the pid files and logs
 #   PROC_TAG   prefix of progress lines, e.g. "cluster"
 #   TIMEOUT    seconds `wait_for` waits
+#   COMPONENTS its daemons, in start order
 # and defines `exe_of NAME`: the absolute path of NAME's executable.
 
 log() { printf '[%s] %s\n' "$PROC_TAG" "$*" >&2; }
@@ -26,6 +27,14 @@ is_our_process() {
 }
 
 pid_of() { cat "$PROC_DIR/$1.pid" 2>/dev/null || true; }
+
+# True when every one of COMPONENTS runs.
+components_running() {
+  local name
+  for name in "${COMPONENTS[@]}"; do
+    is_our_process "$(pid_of "$name")" "$name" || return 1
+  done
+}
 
 # Stops NAME by its pid file: SIGTERM, up to 20 s, then SIGKILL.
 stop_one() {

@@ -4,44 +4,9 @@
 use std::collections::BTreeSet;
 
 use crate::cluster::{
-    NET2_POOL, POD_POOL, Workload, distinct_pod_ips, entries_of, logged_addresses, reservations_of,
+    NET2_POOL, POD_POOL, Workload, check_pods_against_pools, entries_of, reservations_of,
     wait_until,
 };
-
-/// Every pod's eth0 address is its podIP and its pool entry; eth1 likewise in the second pool.
-fn check_pods_against_pools(w: &Workload, pods: &[serde_json::Value]) {
-    let ips = distinct_pod_ips(pods);
-    let mut eth1 = BTreeSet::new();
-    for p in pods {
-        let name = p["metadata"]["name"].as_str().unwrap();
-        let logged = logged_addresses(&w.logs(name));
-        assert_eq!(
-            logged.get("eth0").map(String::as_str),
-            p["status"]["podIP"].as_str(),
-            "{name} sees {logged:?}"
-        );
-        let second = logged
-            .get("eth1")
-            .unwrap_or_else(|| panic!("{name}: no eth1: {logged:?}"));
-        assert!(eth1.insert(second.clone()), "eth1 {second} held twice");
-    }
-    // The pools hold exactly these pods, one entry each, and nothing else of this namespace.
-    for (pool, want) in [(POD_POOL, &ips), (NET2_POOL, &eth1)] {
-        let entries = entries_of(pool, &w.ns);
-        assert_eq!(entries.len(), pods.len(), "{pool}: {entries:?}");
-        let pods_in_pool: BTreeSet<&str> = entries.iter().map(|e| e.0.as_str()).collect();
-        assert_eq!(pods_in_pool.len(), pods.len(), "{pool}: a pod twice");
-        let base: std::net::Ipv4Addr = pool.split('-').next().unwrap().parse().unwrap();
-        let addresses: BTreeSet<String> = entries
-            .iter()
-            .map(|e| {
-                std::net::Ipv4Addr::from(u32::from(base) + e.1.parse::<u32>().unwrap()).to_string()
-            })
-            .collect();
-        assert_eq!(&addresses, want, "{pool}: pool and pods disagree");
-    }
-    assert_eq!(reservations_of(&w.ns), 2 * pods.len(), "reservations");
-}
 
 #[test]
 fn a_deployment_of_60_gets_60_distinct_addresses_and_gives_them_back() {
