@@ -11,6 +11,12 @@
 #                         wait for them to exit, remove the state folder.
 #   e2e/cluster.sh env    print `export KUBECONFIG=<path>` (eval "$(... env)").
 #   e2e/cluster.sh status print what is running (stderr) and exit 0 if healthy.
+#   e2e/cluster.sh restart etcd|kube-apiserver [--crash]
+#                         stop one component (SIGTERM; SIGKILL with --crash) and
+#                         start it again with the same flags and data; returns
+#                         when it is healthy (fault injection).
+#   e2e/cluster.sh pause etcd|kube-apiserver SECONDS
+#                         SIGSTOP it, SIGCONT after SECONDS: calls hang (faults).
 #
 # Environment:
 #   WHEREABOUTS_E2E_STATE    state folder (default: e2e/.state next to this script)
@@ -186,6 +192,72 @@ healthy() {
   readyz_ok
 }
 
+# ------------------------------------------------------------- components
+
+# Each starts its component with the ports of cluster.env and waits until it is healthy; `up`
+# and `restart` share them, so a restarted component runs with exactly the flags it had.
+start_etcd() {
+  # etcd: plain HTTP, bound to loopback only, a single throwaway member.
+  # --unsafe-no-fsync: the data is disposable and fsync dominates write
+  # latency on CI disks.
+  start etcd \
+    --name=e2e \
+    --data-dir="$STATE_DIR/etcd-data" \
+    --listen-client-urls="http://127.0.0.1:$ETCD_PORT" \
+    --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster="e2e=http://127.0.0.1:$ETCD_PEER_PORT" \
+    --initial-cluster-state=new \
+    --unsafe-no-fsync=true \
+    --log-level=warn
+  wait_for etcd "etcd healthy on http://127.0.0.1:$ETCD_PORT/health" \
+    etcd_healthy
+}
+
+start_kube_apiserver() {
+  # kube-apiserver. Admission plugins: the default set (it includes
+  # NamespaceLifecycle, ServiceAccount, MutatingAdmissionWebhook,
+  # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...).
+  # --advertise-address: there is no non-loopback interface to guess from.
+  # --endpoint-reconciler-type=none: loopback is not a valid Endpoints
+  #   address, and nothing here routes to the `kubernetes` service anyway.
+  # --allow-privileged: CNI/IPAM DaemonSets usually ask for privileged pods.
+  # --enable-aggregator-routing: webhooks behind a Service are called at an endpoint's address,
+  #   since this API server runs outside any pod network and no kube-proxy serves it.
+  # --kubelet-*: reach e2e/node.sh's kubelet by its InternalIP, as a cluster CA client.
+  start kube-apiserver \
+    --bind-address=127.0.0.1 \
+    --secure-port="$APISERVER_PORT" \
+    --advertise-address=127.0.0.1 \
+    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
+    --tls-cert-file="$PKI/apiserver.crt" \
+    --tls-private-key-file="$PKI/apiserver.key" \
+    --client-ca-file="$PKI/ca.crt" \
+    --cert-dir="$STATE_DIR/apiserver-certs" \
+    --authorization-mode=Node,RBAC \
+    --service-cluster-ip-range="$SERVICE_CIDR" \
+    --service-account-issuer="$SA_ISSUER" \
+    --service-account-key-file="$PKI/sa.pub" \
+    --service-account-signing-key-file="$PKI/sa.key" \
+    --api-audiences="$SA_ISSUER" \
+    --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" \
+    --requestheader-allowed-names=front-proxy-client \
+    --requestheader-username-headers=X-Remote-User \
+    --requestheader-group-headers=X-Remote-Group \
+    --requestheader-extra-headers-prefix=X-Remote-Extra- \
+    --proxy-client-cert-file="$PKI/front-proxy-client.crt" \
+    --proxy-client-key-file="$PKI/front-proxy-client.key" \
+    --endpoint-reconciler-type=none \
+    --allow-privileged=true \
+    --enable-aggregator-routing=true \
+    --kubelet-preferred-address-types=InternalIP \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
+    --v=1
+  wait_for kube-apiserver "kube-apiserver /readyz on https://127.0.0.1:$APISERVER_PORT" readyz_ok
+}
+
 # ------------------------------------------------------------------- verbs
 
 # Serializes up/down (e.g. several test binaries calling `up` at once: the
@@ -274,63 +346,8 @@ EOF
   write_kubeconfig "$KUBECONFIG_PATH" admin kubernetes-admin
   write_kubeconfig "$STATE_DIR/controller-manager.kubeconfig" controller-manager system:kube-controller-manager
 
-  # etcd: plain HTTP, bound to loopback only, a single throwaway member.
-  # --unsafe-no-fsync: the data is disposable and fsync dominates write
-  # latency on CI disks.
-  start etcd \
-    --name=e2e \
-    --data-dir="$STATE_DIR/etcd-data" \
-    --listen-client-urls="http://127.0.0.1:$ETCD_PORT" \
-    --advertise-client-urls="http://127.0.0.1:$ETCD_PORT" \
-    --listen-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
-    --initial-advertise-peer-urls="http://127.0.0.1:$ETCD_PEER_PORT" \
-    --initial-cluster="e2e=http://127.0.0.1:$ETCD_PEER_PORT" \
-    --initial-cluster-state=new \
-    --unsafe-no-fsync=true \
-    --log-level=warn
-  wait_for etcd "etcd healthy on http://127.0.0.1:$ETCD_PORT/health" \
-    etcd_healthy
-
-  # kube-apiserver. Admission plugins: the default set (it includes
-  # NamespaceLifecycle, ServiceAccount, MutatingAdmissionWebhook,
-  # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...).
-  # --advertise-address: there is no non-loopback interface to guess from.
-  # --endpoint-reconciler-type=none: loopback is not a valid Endpoints
-  #   address, and nothing here routes to the `kubernetes` service anyway.
-  # --allow-privileged: CNI/IPAM DaemonSets usually ask for privileged pods.
-  # --enable-aggregator-routing: webhooks behind a Service are called at an endpoint's address,
-  #   since this API server runs outside any pod network and no kube-proxy serves it.
-  # --kubelet-*: reach e2e/node.sh's kubelet by its InternalIP, as a cluster CA client.
-  start kube-apiserver \
-    --bind-address=127.0.0.1 \
-    --secure-port="$APISERVER_PORT" \
-    --advertise-address=127.0.0.1 \
-    --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --tls-cert-file="$PKI/apiserver.crt" \
-    --tls-private-key-file="$PKI/apiserver.key" \
-    --client-ca-file="$PKI/ca.crt" \
-    --cert-dir="$STATE_DIR/apiserver-certs" \
-    --authorization-mode=Node,RBAC \
-    --service-cluster-ip-range="$SERVICE_CIDR" \
-    --service-account-issuer="$SA_ISSUER" \
-    --service-account-key-file="$PKI/sa.pub" \
-    --service-account-signing-key-file="$PKI/sa.key" \
-    --api-audiences="$SA_ISSUER" \
-    --requestheader-client-ca-file="$PKI/front-proxy-ca.crt" \
-    --requestheader-allowed-names=front-proxy-client \
-    --requestheader-username-headers=X-Remote-User \
-    --requestheader-group-headers=X-Remote-Group \
-    --requestheader-extra-headers-prefix=X-Remote-Extra- \
-    --proxy-client-cert-file="$PKI/front-proxy-client.crt" \
-    --proxy-client-key-file="$PKI/front-proxy-client.key" \
-    --endpoint-reconciler-type=none \
-    --allow-privileged=true \
-    --enable-aggregator-routing=true \
-    --kubelet-preferred-address-types=InternalIP \
-    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
-    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
-    --v=1
-  wait_for kube-apiserver "kube-apiserver /readyz on https://127.0.0.1:$APISERVER_PORT" readyz_ok
+  start_etcd
+  start_kube_apiserver
 
   # kube-controller-manager with every controller (--controllers=*), its own
   # credentials per controller, and the CA for the root-ca ConfigMap and CSR
@@ -381,6 +398,50 @@ cmd_env() {
   printf 'export KUBECONFIG=%q\n' "$KUBECONFIG_PATH"
 }
 
+# The component NAME must be one of COMPONENTS with a start function; its pid must be ours.
+running_pid() {
+  local name="$1" pid
+  [[ -f "$STATE_DIR/cluster.env" ]] || die "no cluster: $STATE_DIR/cluster.env missing (run: $0 up)"
+  case "$name" in
+    etcd|kube-apiserver) ;;
+    *) die "want etcd or kube-apiserver, got '$name'" ;;
+  esac
+  pid="$(pid_of "$name")"
+  is_our_process "$pid" "$name" || die "$name is not running"
+  echo "$pid"
+}
+
+# restart NAME [--crash]: stop it (SIGTERM, as a rolling restart would; with --crash SIGKILL, as
+# a crash or an OOM kill would) and start it again with the same flags; returns once it is
+# healthy. The data (etcd-data) and certificates stay.
+cmd_restart() {
+  local name="$1" how="${2:-}"
+  [[ -z "$how" || "$how" == --crash ]] || die "restart: want --crash or nothing, got '$how'"
+  running_pid "$name" >/dev/null
+  take_lock
+  # shellcheck disable=SC1091 # written by `up`
+  source "$STATE_DIR/cluster.env"
+  if [[ "$how" == --crash ]]; then kill_one "$name"; else stop_one "$name"; fi
+  "start_${name//-/_}"
+  log "$name restarted (pid $(pid_of "$name"))"
+}
+
+# pause NAME SECONDS: SIGSTOP, then SIGCONT after SECONDS. Clients' connections stay open and
+# their calls hang until their own timeouts, as with a stalled or overloaded server. The process
+# is resumed however this script ends.
+cmd_pause() {
+  local name="$1" seconds="$2" pid
+  [[ "$seconds" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "pause: SECONDS must be a number, got '$seconds'"
+  pid="$(running_pid "$name")"
+  trap 'kill -CONT "$pid" 2>/dev/null || true' EXIT
+  kill -STOP "$pid"
+  log "$name (pid $pid) paused for $seconds s"
+  sleep "$seconds"
+  kill -CONT "$pid"
+  trap - EXIT
+  log "$name (pid $pid) resumed"
+}
+
 cmd_status() {
   local name pid rc=0
   for name in "${COMPONENTS[@]}"; do
@@ -404,8 +465,10 @@ case "${1:-}" in
   down) cmd_down ;;
   env) cmd_env ;;
   status) cmd_status ;;
+  restart) cmd_restart "${2:-}" "${3:-}" ;;
+  pause) cmd_pause "${2:-}" "${3:-}" ;;
   *)
-    echo "usage: $0 up|down|env|status" >&2
+    echo "usage: $0 up|down|env|status|restart etcd|kube-apiserver [--crash]|pause etcd|kube-apiserver SECONDS" >&2
     exit 2
     ;;
 esac
