@@ -72,6 +72,42 @@ pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
     }
 }
 
+/// The addresses the pod's network-status lists per interface name (secondary networks only).
+pub fn addresses_by_interface(statuses: &[NetworkStatus]) -> HashMap<String, Vec<IpAddr>> {
+    let mut out: HashMap<String, Vec<IpAddr>> = HashMap::new();
+    for s in statuses
+        .iter()
+        .filter(|s| !s.default && !s.interface.is_empty())
+    {
+        out.entry(s.interface.clone()).or_default().extend(
+            s.ips
+                .iter()
+                .filter_map(|ip| ip.split('/').next()?.parse::<IpAddr>().ok()),
+        );
+    }
+    out
+}
+
+/// True when `entry` (holding `ip`) is an earlier attachment of a pod that lives on with another
+/// address on the same interface: the pod's network-status lists addresses of `ip`'s family on
+/// the entry's interface, and not `ip`. That is what a sandbox attempt leaves behind when its ADD
+/// was killed after its claim was made: the runtime's DEL found nothing yet to release, and the
+/// next sandbox got another address. Without a network-status (no Multus), or without the
+/// interface in it, nothing is superseded. The caller checks that the entry is this pod's (UID).
+pub fn is_superseded(
+    entry: &IPAllocation,
+    ip: IpAddr,
+    interfaces: &HashMap<String, Vec<IpAddr>>,
+) -> bool {
+    if entry.ifname.is_empty() {
+        return false;
+    }
+    let Some(listed) = interfaces.get(&entry.ifname) else {
+        return false;
+    };
+    listed.iter().any(|l| l.is_ipv4() == ip.is_ipv4()) && !listed.contains(&ip)
+}
+
 /// True when no living pod owns `entry`: no pod of that name exists, or the one that exists has
 /// another UID than the one recorded. An entry without a UID whose pod name exists is never stale
 /// (it may be the same pod).
@@ -150,6 +186,36 @@ mod tests {
         assert!(!is_stale(&entry("ns/a", ""), &live));
         assert!(is_stale(&entry("ns/a", "older"), &live));
         assert!(is_stale(&entry("ns/gone", "x"), &live));
+    }
+
+    #[test]
+    fn an_earlier_sandbox_entry_is_superseded_by_the_listed_address() {
+        let statuses = parse_network_status(
+            r#"[{"name":"kindnet","interface":"eth0","ips":["10.244.0.5"],"default":true},
+            {"name":"ns/macvlan","interface":"net1","ips":["10.0.0.7","fd00::7"]}]"#,
+        )
+        .unwrap();
+        let by_if = addresses_by_interface(&statuses);
+        let on = |ifname: &str| IPAllocation {
+            ifname: ifname.into(),
+            ..entry("ns/p", "u")
+        };
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        // The sandbox that lives holds .7; an entry of the same interface at .5 is left over.
+        assert!(is_superseded(&on("net1"), ip("10.0.0.5"), &by_if));
+        assert!(is_superseded(&on("net1"), ip("fd00::5"), &by_if));
+        assert!(!is_superseded(&on("net1"), ip("10.0.0.7"), &by_if));
+        // Another interface, an entry without an interface, a family the status does not list:
+        // nothing to compare with, so never superseded.
+        assert!(!is_superseded(&on("net2"), ip("10.0.0.5"), &by_if));
+        assert!(!is_superseded(&on(""), ip("10.0.0.5"), &by_if));
+        let v4_only = addresses_by_interface(
+            &parse_network_status(r#"[{"name":"ns/m","interface":"net1","ips":["10.0.0.7"]}]"#)
+                .unwrap(),
+        );
+        assert!(!is_superseded(&on("net1"), ip("fd00::5"), &v4_only));
+        // The default network's interface is not ours to judge.
+        assert!(!is_superseded(&on("eth0"), ip("10.244.0.6"), &by_if));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::Hash;
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -17,8 +18,11 @@ use kube::{Resource, ResourceExt};
 use super::Context;
 use super::pools::PoolView;
 use crate::cni::allocate::release_entries;
-use crate::crd::IPPool;
-use crate::ownership::is_stale;
+use crate::crd::{IPAllocation, IPPool};
+use crate::ownership::{
+    NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
+    parse_network_status,
+};
 use crate::store::{Store, StoreError, TURN_LABEL, TURN_SECONDS, Write};
 
 /// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
@@ -73,29 +77,67 @@ pub struct Report {
     pub abandoned_turns: usize,
 }
 
-/// Live pods by podref, from the cache.
-fn live_pods(ctx: &Context) -> HashMap<String, String> {
-    ctx.caches
-        .pods
-        .state()
-        .iter()
-        .map(|p| {
-            (
-                format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()),
-                p.uid().unwrap_or_default(),
-            )
-        })
-        .collect()
+/// Live pods by podref: their UIDs, and the addresses their network-status lists per interface.
+#[derive(Debug, Default)]
+pub struct LivePods {
+    pub uids: HashMap<String, String>,
+    pub interfaces: HashMap<String, HashMap<String, Vec<IpAddr>>>,
+}
+
+impl LivePods {
+    /// Why `entry` (holding `ip`) is stale, if it is: its pod is gone, or the pod lives on with
+    /// another address on the entry's interface.
+    pub fn staleness(&self, entry: &IPAllocation, ip: Option<IpAddr>) -> Option<Stale> {
+        if is_stale(entry, &self.uids) {
+            return Some(Stale::PodGone);
+        }
+        let interfaces = self.interfaces.get(&entry.podref)?;
+        ip.filter(|ip| is_superseded(entry, *ip, interfaces))
+            .map(|_| Stale::Superseded)
+    }
+}
+
+/// Why an entry no longer belongs to a living attachment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stale {
+    PodGone,
+    Superseded,
+}
+
+/// The interfaces' addresses of a pod's network-status; a malformed annotation lists none.
+fn interfaces_of(pod: &impl Resource) -> HashMap<String, Vec<IpAddr>> {
+    pod.meta()
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(NETWORK_STATUS_ANNOTATION))
+        .and_then(|text| parse_network_status(text).ok())
+        .map(|statuses| addresses_by_interface(&statuses))
+        .unwrap_or_default()
+}
+
+/// Live pods, from the cache.
+fn live_pods(ctx: &Context) -> LivePods {
+    let mut live = LivePods::default();
+    for p in ctx.caches.pods.state().iter() {
+        let podref = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+        live.uids
+            .insert(podref.clone(), p.uid().unwrap_or_default());
+        let interfaces = interfaces_of(p.as_ref());
+        if !interfaces.is_empty() {
+            live.interfaces.insert(podref, interfaces);
+        }
+    }
+    live
 }
 
 /// Stale entries of every cached pool.
-pub fn stale_entries(pools: &[PoolView], live: &HashMap<String, String>) -> Vec<EntryKey> {
+pub fn stale_entries(pools: &[PoolView], live: &LivePods) -> Vec<EntryKey> {
     pools
         .iter()
         .flat_map(|p| {
             p.entries
                 .iter()
-                .filter(|(_, e)| is_stale(e, live))
+                .filter(|(o, e)| live.staleness(e, p.ip(**o)).is_some())
                 .map(|(o, e)| (p.name.clone(), *o, e.id.clone()))
         })
         .collect()
@@ -260,10 +302,10 @@ impl Auditor {
         else {
             return Ok(false);
         };
-        if !pod_is_gone(ctx, &entry.podref, &entry.poduid).await? {
-            return Ok(false);
-        }
         let ip = fresh.ip(*offset);
+        let Some(why) = staleness_now(ctx, &entry, ip).await? else {
+            return Ok(false);
+        };
         if ctx.opts.dry_run {
             tracing::info!(pool, ?ip, pod = %entry.podref, "dry run: would release a stale entry");
             return Ok(false);
@@ -277,7 +319,13 @@ impl Auditor {
                 pool,
                 false,
                 "StaleAddressReleased",
-                &format!("released {ip}: pod {} no longer exists", entry.podref),
+                &match why {
+                    Stale::PodGone => format!("released {ip}: pod {} no longer exists", entry.podref),
+                    Stale::Superseded => format!(
+                        "released {ip}: pod {} lives on with other addresses on {} (an earlier sandbox's)",
+                        entry.podref, entry.ifname
+                    ),
+                },
             )
             .await;
         }
@@ -335,9 +383,13 @@ impl Default for Auditor {
 }
 
 /// Reads the pod from the API server (not the cache): gone, or replaced by a pod with another UID.
-async fn pod_is_gone(ctx: &Context, podref: &str, uid: &str) -> Result<bool, StoreError> {
-    let Some((namespace, name)) = podref.split_once('/') else {
-        return Ok(false);
+async fn staleness_now(
+    ctx: &Context,
+    entry: &IPAllocation,
+    ip: Option<IpAddr>,
+) -> Result<Option<Stale>, StoreError> {
+    let Some((namespace, name)) = entry.podref.split_once('/') else {
+        return Ok(None);
     };
     let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
     let pod = api
@@ -345,14 +397,18 @@ async fn pod_is_gone(ctx: &Context, podref: &str, uid: &str) -> Result<bool, Sto
         .await
         .map_err(|e| StoreError::Api {
             op: "get",
-            object: format!("pod {podref}"),
+            object: format!("pod {}", entry.podref),
             code: 0,
             message: e.to_string(),
         })?;
-    Ok(match pod {
-        None => true,
-        Some(p) => !uid.is_empty() && p.meta().uid.as_deref() != Some(uid),
-    })
+    let mut live = LivePods::default();
+    if let Some(pod) = &pod {
+        let uid = pod.meta().uid.clone().unwrap_or_default();
+        live.uids.insert(entry.podref.clone(), uid);
+        live.interfaces
+            .insert(entry.podref.clone(), interfaces_of(pod));
+    }
+    Ok(live.staleness(entry, ip))
 }
 
 #[cfg(test)]
@@ -412,15 +468,39 @@ mod tests {
                 ..Default::default()
             },
         );
+        p.spec.allocations.insert(
+            "7".into(),
+            IPAllocation {
+                id: "c7-earlier-sandbox".into(),
+                podref: "ns/a".into(),
+                poduid: "ua".into(),
+                ifname: "net1".into(),
+                ..Default::default()
+            },
+        );
         let pools = vec![PoolView::from_pool(&p).unwrap()];
-        let live = HashMap::from([("ns/a".to_owned(), "ua".to_owned())]);
+        let mut live = LivePods {
+            uids: HashMap::from([("ns/a".to_owned(), "ua".to_owned())]),
+            ..Default::default()
+        };
+        let key = |o: u128, id: &str| ("blue-10.0.0.0-24".to_owned(), o, id.to_owned());
+        assert_eq!(stale_entries(&pools, &live), vec![key(6, "c6")]);
+        // Once Multus lists .5 on net1, the earlier sandbox's .7 on net1 is left over.
+        live.interfaces.insert(
+            "ns/a".into(),
+            HashMap::from([("net1".to_owned(), vec!["10.0.0.5".parse().unwrap()])]),
+        );
         assert_eq!(
             stale_entries(&pools, &live),
-            vec![("blue-10.0.0.0-24".to_owned(), 6, "c6".to_owned())]
+            vec![key(6, "c6"), key(7, "c7-earlier-sandbox")]
         );
         assert_eq!(
             expected_reservations(&pools),
-            BTreeSet::from(["blue-10.0.0.5".to_owned(), "blue-10.0.0.6".to_owned()])
+            BTreeSet::from([
+                "blue-10.0.0.5".to_owned(),
+                "blue-10.0.0.6".to_owned(),
+                "blue-10.0.0.7".to_owned()
+            ])
         );
     }
 }
