@@ -2,6 +2,7 @@
 # Builds the two CNI binaries the allocation benchmark compares.
 #
 #   bench/build.sh              ours from the work tree -> target/release/whereabouts
+#   bench/build.sh --upstream-only  upstream only (the chaos tier's mixed fleet)
 #   bench/build.sh --from-head  ours from `git archive HEAD` (ignores uncommitted
 #                               edits in the work tree) -> bench/bin/whereabouts-ours,
 #                               commit recorded in bench/bin/whereabouts-ours.commit
@@ -26,7 +27,9 @@ echo "[build] upstream $UPSTREAM_MOD@$UPSTREAM_VERSION -> bench/bin/whereabouts-
   -o "$BENCH/bin/whereabouts-upstream" "$UPSTREAM_MOD/cmd")
 
 # ---- ours
-if [[ "${1:-}" == "--from-head" ]]; then
+if [[ "${1:-}" == "--upstream-only" ]]; then
+  exit 0
+elif [[ "${1:-}" == "--from-head" ]]; then
   commit="$(git -C "$ROOT" rev-parse --short HEAD)"
   src="$(mktemp -d /tmp/wa-bench-src.XXXXXX)"
   trap 'rm -rf "$src"' EXIT

@@ -1,0 +1,660 @@
+#!/usr/bin/env python3
+"""The chaos tier: rounds of ADD and DEL bursts from a mixed fleet, with faults injected, and the
+invariants checked after every round. See e2e/chaos/README.md; figures in docs/reliability.md.
+
+One round, on one dual-stack network (one IPv4 and one IPv6 pool):
+  * new Pod objects are created, and each gets an ADD from a fleet member picked at random: our
+    plugin through the node agent, our plugin on its own, or upstream's v0.9.2 plugin;
+  * at the same time about half of the live pods go away: most with a DEL and then the Pod
+    delete, some with only the Pod delete (a node that vanished), which the operator must clean;
+  * faults during the burst: kill -9 of random plugin processes mid-call, of the node agent
+    (restarted at once), of the operator leader (a standby takes over, a new standby starts), and
+    one API-side fault (API server crash-restart, etcd crash-restart or restart, API server paused);
+  * the runtime behaves as the CNI spec says: a failed ADD is followed by DEL, a DEL is retried
+    until it succeeds, and the sandbox is retried with a new container id (3 tries, then the pod
+    is deleted).
+Then the invariants: no address held by two live attachments (pool entries and overlapping-range
+reservations), every live attachment's addresses present in the pool and reserved; after the
+operator converges, no pool entry and no reservation without its live attachment.
+
+Python standard library only.
+"""
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kube import Kube  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SH = ROOT / "e2e" / "cluster.sh"
+KUBECTL = ROOT / "e2e" / "bin" / "kubectl"
+RELEASE = ROOT / "target" / "x86_64-unknown-linux-musl" / "release"
+GROUP = "/apis/whereabouts.cni.cncf.io/v1alpha1"
+NAD_API = "/apis/k8s.cni.cncf.io/v1"
+NETWORK = "chaosnet"
+IFNAME = "net1"
+V4, V6 = "10.77.0.0/22", "fd00:77::/64"
+MEMBERS = ("agent", "direct", "upstream")
+API_FAULTS = ("apiserver-crash", "etcd-crash", "etcd-restart", "apiserver-pause")
+
+ADD_TRIES = 3  # sandbox attempts before the pod is given up (deleted)
+PLUGIN_KILL_P = 0.08  # share of plugin processes killed mid-call
+HANG_S = 150  # a plugin call running longer than this is a hang (a violation)
+DEL_RETRY_S = 180  # a DEL not done by then is stuck (a violation)
+CONVERGE_S = 120  # pools must hold only live attachments within this time after a round
+AUDIT_INTERVAL, STALE_GRACE = "2s", "5s"  # the operator's, shortened for the test
+
+
+LOG_FILE = []  # the run's chaos.log, once its folder exists
+
+
+def log(msg):
+    line = f"[chaos] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if LOG_FILE:
+        with open(LOG_FILE[0], "a") as f:
+            f.write(line + "\n")
+
+
+class Counter:
+    """Thread-safe counts by key."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts = {}
+        self.times = {}
+
+    def add(self, key, n=1):
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + n
+
+    def snapshot(self):
+        with self.lock:
+            return dict(self.counts)
+
+    def time(self, key, seconds):
+        with self.lock:
+            self.times.setdefault(key, []).append(seconds)
+
+    def latencies(self):
+        """p50 and max seconds of each kind of call."""
+        with self.lock:
+            return {k: {"n": len(v), "p50": round(sorted(v)[len(v) // 2], 2),
+                        "max": round(max(v), 2)} for k, v in sorted(self.times.items())}
+
+
+class Fleet:
+    """The namespace, the network, the node agent, two operator replicas and the plugins."""
+
+    def __init__(self, kube, args, work):
+        self.kube, self.args, self.work = kube, args, work
+        self.ns = f"chaos-{args.seed}-{int(time.time()) % 100000}"
+        self.kubeconfig = work / "kubeconfig"
+        self.socket = work / "agent.sock"
+        self.agent = None
+        self.agent_starts = 0
+        self.operators = {}  # identity -> Popen
+        self.operator_starts = 0
+        self.live_procs = {}  # id -> (Popen, member, command)
+        self.procs_lock = threading.Lock()
+        self.netconf = {}
+
+    # ---- setup
+
+    def setup(self):
+        self.kube.ok("POST", "/api/v1/namespaces", {"metadata": {"name": self.ns}})
+        deadline = time.monotonic() + 60
+        while self.kube.call("GET", f"/api/v1/namespaces/{self.ns}/serviceaccounts/default")[0] != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("ServiceAccount default was not created")
+            time.sleep(0.2)
+        subprocess.run(["cp", self.args.kubeconfig, str(self.kubeconfig)], check=True)
+        subprocess.run([str(KUBECTL), "--kubeconfig", str(self.kubeconfig), "config",
+                        "set-context", "--current", f"--namespace={self.ns}"],
+                       check=True, capture_output=True)
+        ranges = {"ipRanges": [{"range": V4}, {"range": V6}]}
+        for member in MEMBERS:
+            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}}
+            if member == "agent":
+                flat["agent_socket"] = str(self.socket)
+            elif member == "direct":
+                flat["agent_socket"] = ""
+            (self.work / f"{member}.conf").write_text(json.dumps(flat))
+            ipam = {"type": "whereabouts", "configuration_path": str(self.work / f"{member}.conf"),
+                    "log_file": str(self.work / f"{member}-plugin.log"), "log_level": "verbose",
+                    **ranges}
+            self.netconf[member] = json.dumps(
+                {"cniVersion": "1.0.0", "name": NETWORK, "type": "macvlan", "ipam": ipam})
+        nad_ipam = {"type": "whereabouts", **ranges}
+        nad = {"cniVersion": "1.0.0", "name": NETWORK, "type": "macvlan", "ipam": nad_ipam}
+        self.kube.ok("POST", f"{NAD_API}/namespaces/{self.ns}/network-attachment-definitions",
+                     {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+                      "metadata": {"name": NETWORK}, "spec": {"config": json.dumps(nad)}})
+        self.start_agent()
+        for _ in range(2):
+            self.start_operator()
+
+    def start_agent(self):
+        self.agent_starts += 1
+        out = open(self.work / "agent.log", "ab")
+        self.agent = subprocess.Popen(
+            [str(self.args.operator), "agent", "--socket", str(self.socket),
+             "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig)],
+            stdout=out, stderr=out, env={**os.environ, "RUST_LOG": "info"})
+        out.close()
+        deadline = time.monotonic() + 20
+        while not self.socket.exists():
+            if self.agent.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the node agent did not start: see agent.log")
+            time.sleep(0.02)
+
+    def start_operator(self):
+        self.operator_starts += 1
+        ident = f"op-{self.operator_starts}"
+        out = open(self.work / f"{ident}.log", "ab")
+        self.operators[ident] = subprocess.Popen(
+            [str(self.args.operator), "run", "--admin-addr=127.0.0.1:0",
+             f"--pool-namespace={self.ns}", "--leader-election=true",
+             f"--audit-interval={AUDIT_INTERVAL}", f"--stale-grace={STALE_GRACE}"],
+            stdout=out, stderr=out,
+            env={**os.environ, "KUBECONFIG": self.args.kubeconfig, "POD_NAME": ident,
+                 "RUST_LOG": "info"})
+        out.close()
+
+    def teardown(self):
+        for p in [self.agent, *self.operators.values()]:
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    # ---- faults on our own processes
+
+    def kill_agent(self):
+        self.agent.kill()
+        self.agent.wait()
+        self.start_agent()
+
+    def leader(self):
+        """The identity in the operators' Lease, if the API answers."""
+        status, lease = self.kube.call(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/{self.ns}/leases/whereabouts-operator")
+        return (lease or {}).get("spec", {}).get("holderIdentity") if status == 200 else None
+
+    def live_leader(self, timeout):
+        """The running replica that holds the Lease, waiting up to `timeout` s for one."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            holder = self.leader()
+            proc = self.operators.get(holder)
+            if proc is not None and proc.poll() is None:
+                return holder
+            time.sleep(0.2)
+        return None
+
+    def kill_leader(self):
+        """kill -9 of the replica holding the Lease; a new standby starts (as a Deployment's).
+        Returns the seconds until a surviving replica held the Lease, or None."""
+        holder = self.live_leader(60)
+        if holder is None:
+            return None
+        proc = self.operators.pop(holder)
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        self.start_operator()
+        if self.live_leader(120) is None:
+            return None
+        return time.monotonic() - killed
+
+    # ---- plugins
+
+    def plugin(self, member, command, pod, container_id, kill_after, counts):
+        """Runs one CNI call; returns (rc, stdout, stderr, killed_by_us)."""
+        binary = self.args.upstream if member == "upstream" else self.args.plugin
+        env = {
+            "PATH": "/usr/bin:/bin", "CNI_COMMAND": command, "CNI_CONTAINERID": container_id,
+            "CNI_NETNS": f"/var/run/netns/{pod['name']}", "CNI_IFNAME": IFNAME,
+            "CNI_PATH": "/opt/cni/bin",
+            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={self.ns};K8S_POD_NAME={pod['name']};"
+                        f"K8S_POD_UID={pod['uid']};K8S_POD_INFRA_CONTAINER_ID={container_id}",
+        }
+        started = time.monotonic()
+        p = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        killed = threading.Event()
+        timer = None
+        if kill_after is not None:
+            def kill():
+                if p.poll() is None:
+                    killed.set()
+                    p.kill()
+            timer = threading.Timer(kill_after, kill)
+            timer.start()
+        try:
+            out, err = p.communicate(self.netconf[member].encode(), timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            counts.add("violation:hang")
+            log(f"HANG: {member} {command} {pod['name']} {container_id} ran over {HANG_S} s")
+        finally:
+            if timer is not None:
+                timer.cancel()
+        counts.time(f"{member}:{command}:{'ok' if p.returncode == 0 else 'failed'}",
+                    time.monotonic() - started)
+        err = err.decode(errors="replace")
+        if "panicked at" in err:
+            counts.add("violation:panic")
+            log(f"PANIC in {member} {command}: {err[-800:]}")
+        if killed.is_set() and p.returncode == -signal.SIGKILL:
+            counts.add(f"fault:plugin-kill:{member}:{command}")
+            return p.returncode, b"", err, True
+        return p.returncode, out, err, False
+
+
+class Round:
+    """One burst: new pods attached, old ones detached, faults, then the checks."""
+
+    def __init__(self, fleet, number, seed, live, counts):
+        self.fleet, self.number = fleet, number
+        # Decisions made before the burst come from one generator; each workflow thread gets its
+        # own, so the decisions of a seed do not depend on thread scheduling.
+        self.base = f"{seed}-{number}"
+        self.rng = random.Random(self.base)
+        self.live = live  # pod name -> attachment dict, shared across rounds
+        self.counts = counts
+        self.lock = threading.Lock()
+        self.takeovers = []  # seconds from the leader's kill to a survivor holding the Lease
+
+    def member(self, rng=None):
+        return (rng or self.rng).choice(MEMBERS)
+
+    def rng_for(self, name):
+        return random.Random(f"{self.base}-{name}")
+
+    def kill_after(self, rng=None):
+        rng = rng or self.rng
+        if rng.random() < PLUGIN_KILL_P:
+            return rng.uniform(0.005, 0.4)
+        return None
+
+    # ---- the runtime's side of the CNI spec
+
+    def attach(self, pod, member, plans):
+        """ADD, with DEL after every failed ADD and a new sandbox up to ADD_TRIES times."""
+        for attempt, kill_after in enumerate(plans):
+            cid = f"c{self.number}-{pod['name']}-{attempt}"
+            self.counts.add("op:add")
+            rc, out, err, killed = self.fleet.plugin(member, "ADD", pod, cid, kill_after,
+                                                      self.counts)
+            if rc == 0:
+                try:
+                    ips = [str(ipaddress.ip_interface(i["address"]).ip)
+                           for i in json.loads(out)["ips"]]
+                except (ValueError, KeyError) as e:
+                    self.counts.add("violation:bad-result")
+                    log(f"bad ADD result from {member}: {e}: {out[:300]!r}")
+                    ips = []
+                if len(ips) == 2:
+                    with self.lock:
+                        self.live[pod["name"]] = {**pod, "cid": cid, "member": member, "ips": ips}
+                    self.annotate(pod, ips)
+                    return
+                self.counts.add("violation:bad-result")
+            elif not killed:
+                self.counts.add(f"add-failed:{member}:{error_kind(out, err)}")
+            self.detach_cni(pod, member, cid)
+        self.counts.add("pods-given-up")
+        self.delete_pod(pod)
+
+    def detach_cni(self, pod, member, cid):
+        """DEL until it succeeds (the runtime never gives up on a DEL)."""
+        rng = self.rng_for(f"{cid}-del")
+        deadline = time.monotonic() + DEL_RETRY_S
+        delay = 0.2
+        while True:
+            self.counts.add("op:del")
+            rc, out, err, killed = self.fleet.plugin(member, "DEL", pod, cid,
+                                                      self.kill_after(rng), self.counts)
+            if rc == 0:
+                return
+            if not killed:
+                self.counts.add(f"del-failed:{member}:{error_kind(out, err)}")
+            if time.monotonic() > deadline:
+                self.counts.add("violation:stuck-del")
+                log(f"STUCK DEL: {member} {pod['name']} {cid}: {out[:300]!r} {err[-300:]}")
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 3.0)
+
+    def detach(self, att, with_del, member):
+        if with_del:
+            self.detach_cni(att, member, att["cid"])
+        else:
+            self.counts.add("pods-vanished")
+        self.delete_pod(att)
+
+    def annotate(self, pod, ips):
+        """The network-status Multus writes once the pod's networks are attached."""
+        status = [{"name": f"{self.fleet.ns}/{NETWORK}", "interface": IFNAME, "ips": ips,
+                   "default": False}]
+        body = {"metadata": {"annotations": {
+            "k8s.v1.cni.cncf.io/network-status": json.dumps(status)}}}
+        self.fleet.kube.ok("PATCH", f"/api/v1/namespaces/{self.fleet.ns}/pods/{pod['name']}",
+                           body, content_type="application/merge-patch+json")
+
+    def delete_pod(self, pod):
+        with self.lock:
+            self.live.pop(pod["name"], None)
+        self.fleet.kube.ok("DELETE", f"/api/v1/namespaces/{self.fleet.ns}/pods/{pod['name']}",
+                           {"gracePeriodSeconds": 0}, allow=(404,))
+
+    def create_pods(self, count):
+        pods = []
+        for i in range(count):
+            name = f"p{self.number}-{i}"
+            doc = self.fleet.kube.ok("POST", f"/api/v1/namespaces/{self.fleet.ns}/pods", {
+                "metadata": {"name": name},
+                "spec": {"containers": [{"name": "c", "image": "localhost/busybox:latest"}],
+                         "automountServiceAccountToken": False}})
+            pods.append({"name": name, "uid": doc["metadata"]["uid"]})
+        return pods
+
+    # ---- faults
+
+    def api_fault(self, kind):
+        verb = {"apiserver-crash": ["restart", "kube-apiserver", "--crash"],
+                "etcd-crash": ["restart", "etcd", "--crash"],
+                "etcd-restart": ["restart", "etcd"],
+                "apiserver-pause": ["pause", "kube-apiserver",
+                                    f"{self.rng.uniform(3, 6):.1f}"]}[kind]
+        r = subprocess.run([str(CLUSTER_SH), *verb], capture_output=True, text=True,
+                           env={**os.environ, "WHEREABOUTS_E2E_STATE": self.fleet.args.state})
+        if r.returncode != 0:
+            raise RuntimeError(f"cluster.sh {' '.join(verb)} failed: {r.stderr[-1500:]}")
+        self.counts.add(f"fault:{kind}")
+
+    def faults(self, api_kind):
+        """The round's process and API faults, each from its own thread at a random moment."""
+        plan = {"api": self.rng.uniform(0.3, 4.0), "agent": self.rng.uniform(0.2, 5.0),
+                "leader": self.rng.uniform(0.2, 6.0)}
+        started = time.monotonic()
+
+        def at(what, delay):
+            time.sleep(delay)
+            try:
+                if what == "api":
+                    self.api_fault(api_kind)
+                elif what == "agent":
+                    self.fleet.kill_agent()
+                    self.counts.add("fault:agent-kill")
+                else:
+                    took = self.fleet.kill_leader()
+                    if took is None:
+                        self.counts.add("violation:no-leader-takeover")
+                        log(f"no surviving operator replica took the Lease after {time.monotonic() - started:.1f} s")
+                    else:
+                        self.counts.add("fault:leader-kill")
+                        self.takeovers.append(took)
+            except Exception as e:  # noqa: BLE001 - reported, and the round counts it
+                self.counts.add("driver-error:fault")
+                log(f"fault {what} failed: {e}")
+
+        threads = [threading.Thread(target=at, args=item) for item in plan.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    # ---- the round
+
+    def run(self, new_pods, api_kind):
+        victims = [a for a in sorted(self.live.values(), key=lambda a: a["name"])
+                   if self.rng.random() < 0.5]
+        pods = self.create_pods(new_pods)
+        plans = {p["name"]: (self.member(), [self.kill_after() for _ in range(ADD_TRIES)])
+                 for p in pods}
+        # Most pods are deleted after a DEL; some vanish with their node, without one. A node
+        # upgraded or downgraded since the ADD runs another member's plugin for the DEL.
+        dels = {a["name"]: (self.rng.random() < 0.8,
+                            a["member"] if self.rng.random() < 0.7 else self.member())
+                for a in victims}
+        threads = [threading.Thread(target=self.attach, args=(p, *plans[p["name"]]))
+                   for p in pods]
+        threads += [threading.Thread(target=self.detach, args=(a, *dels[a["name"]]))
+                    for a in victims]
+        self.rng.shuffle(threads)
+        fault_thread = threading.Thread(target=self.faults, args=(api_kind,))
+        started = time.monotonic()
+        fault_thread.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        fault_thread.join()
+        return time.monotonic() - started
+
+
+def error_kind(out, err):
+    """A short class of a failed call, for the counts: the CNI code if it printed one."""
+    try:
+        return f"code-{json.loads(out)['code']}"
+    except (ValueError, KeyError, TypeError):
+        return "no-result"
+
+
+# ------------------------------------------------------------------- invariants
+
+
+def cluster_state(kube, ns):
+    """Pool entries (ip -> [(podref, containerid)]) and reservations (ip -> podref)."""
+    entries = {}
+    for pool in kube.items(f"{GROUP}/namespaces/{ns}/ippools"):
+        net = ipaddress.ip_network(pool["spec"]["range"], strict=False)
+        for off, a in (pool["spec"].get("allocations") or {}).items():
+            ip = str(net.network_address + int(off))
+            entries.setdefault(ip, []).append((a.get("podref"), a.get("id")))
+    resv = {}
+    for r in kube.items(f"{GROUP}/namespaces/{ns}/overlappingrangeipreservations"):
+        ip = str(ipaddress.ip_address(r["metadata"]["name"].replace("-", ":")
+                                      if "-" in r["metadata"]["name"]
+                                      and "." not in r["metadata"]["name"]
+                                      else r["metadata"]["name"]))
+        resv[ip] = r["spec"].get("podref")
+    return entries, resv
+
+
+def safety(live, ns, entries, resv):
+    """Violations that must never happen, at any moment: duplicates and lost addresses."""
+    problems = []
+    holders = {}
+    for att in live.values():
+        for ip in att["ips"]:
+            holders.setdefault(ip, []).append(att["name"])
+    for ip, names in holders.items():
+        if len(names) > 1:
+            problems.append(f"duplicate: {ip} held by {names}")
+    for att in live.values():
+        ref = f"{ns}/{att['name']}"
+        for ip in att["ips"]:
+            if (ref, att["cid"]) not in entries.get(ip, []):
+                problems.append(f"missing-in-pool: {ip} of {ref} ({att['member']}, {att['cid']}); "
+                                f"pool has {entries.get(ip)}")
+            if resv.get(ip) != ref:
+                problems.append(f"missing-reservation: {ip} of {ref} ({att['member']}); "
+                                f"reserved for {resv.get(ip)}")
+    return problems
+
+
+def leaks(live, ns, entries, resv):
+    """What the operator must have cleaned once it converged: entries and reservations that no
+    live attachment holds."""
+    held = {(f"{ns}/{a['name']}", a["cid"]) for a in live.values()}
+    live_refs = {f"{ns}/{a['name']}" for a in live.values()}
+    out = []
+    for ip, owners in entries.items():
+        out += [f"pool entry {ip} {o}" for o in owners if o not in held]
+    out += [f"reservation {ip} {ref}" for ip, ref in resv.items() if ref not in live_refs]
+    return out
+
+
+def check_round(kube, fleet, live, counts):
+    """Safety now; then waits for convergence. Returns (seconds to converge or None, problems)."""
+    entries, resv = cluster_state(kube, fleet.ns)
+    problems = safety(live, fleet.ns, entries, resv)
+    started = time.monotonic()
+    while True:
+        entries, resv = cluster_state(kube, fleet.ns)
+        left = leaks(live, fleet.ns, entries, resv)
+        if not left:
+            converged = time.monotonic() - started
+            break
+        if time.monotonic() - started > CONVERGE_S:
+            converged = None
+            problems += [f"leak: {x}" for x in left[:20]]
+            counts.add("violation:leak", len(left))
+            break
+        time.sleep(1)
+    # The operator must not have freed anything live while converging.
+    problems += safety(live, fleet.ns, entries, resv)
+    for p in problems:
+        counts.add("violation:" + p.split(":")[0])
+    return converged, sorted(set(problems))
+
+
+def panics(work):
+    found = []
+    for f in sorted(work.glob("*.log")):
+        text = f.read_text(errors="replace")
+        if "panicked at" in text:
+            found.append(f.name)
+    return found
+
+
+# ------------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pods", type=int, default=150, help="new pods per round")
+    ap.add_argument("--kubeconfig", required=True, help="admin kubeconfig of e2e/cluster.sh")
+    ap.add_argument("--state", required=True, help="the cluster's WHEREABOUTS_E2E_STATE")
+    ap.add_argument("--plugin", type=Path, default=RELEASE / "whereabouts")
+    ap.add_argument("--operator", type=Path, default=RELEASE / "whereabouts-operator")
+    ap.add_argument("--upstream", type=Path,
+                    default=ROOT / "bench" / "bin" / "whereabouts-upstream")
+    ap.add_argument("--work", type=Path, default=None, help="logs (default: a new /tmp folder)")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = ap.parse_args()
+    for b in (args.plugin, args.operator, args.upstream):
+        if not b.is_file():
+            sys.exit(f"[chaos] {b}: not found (make release; bench/build.sh --upstream-only)")
+    work = args.work or Path(f"/tmp/wa-chaos-{args.seed}-{int(time.time())}")
+    work.mkdir(parents=True, exist_ok=True)
+    LOG_FILE.append(work / "chaos.log")
+    kube = Kube(args.kubeconfig)
+    fleet = Fleet(kube, args, work)
+    log(f"seed {args.seed}, {args.rounds} rounds of {args.pods} new pods; logs in {work}")
+    fleet.setup()
+    live, counts, rounds = {}, Counter(), []
+    try:
+        for n in range(args.rounds):
+            api_kind = API_FAULTS[(args.seed + n) % len(API_FAULTS)]
+            before = counts.snapshot()
+            rnd = Round(fleet, n, args.seed, live, counts)
+            burst = rnd.run(args.pods, api_kind)
+            converged, problems = check_round(kube, fleet, live, counts)
+            after = counts.snapshot()
+            delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            rounds.append({"round": n, "burst_s": round(burst, 1), "api_fault": api_kind,
+                           "converged_s": None if converged is None else round(converged, 1),
+                           "takeover_s": [round(t, 1) for t in rnd.takeovers],
+                           "live": len(live), "counts": delta, "problems": problems})
+            log(f"round {n}: burst {burst:.1f} s, {api_kind}, converged "
+                f"{'never' if converged is None else f'{converged:.1f} s'}, {len(live)} live, "
+                f"{len(problems)} violations; {json.dumps(delta, sort_keys=True)}")
+            for p in problems[:20]:
+                log(f"  VIOLATION {p}")
+    finally:
+        fleet.teardown()
+    crashed = panics(work)
+    for name in crashed:
+        counts.add("violation:panic-in-log")
+        log(f"PANIC in {name}")
+    report = summary(args, rounds, counts.snapshot(), counts.latencies(), crashed)
+    print(report["markdown"])
+    if args.json:
+        args.json.write_text(json.dumps({k: v for k, v in report.items()}, indent=1))
+    if report["violations"]:
+        log(f"{report['violations']} violations (seed {args.seed}); logs in {work}")
+        sys.exit(1)
+    kube.ok("DELETE", f"/api/v1/namespaces/{fleet.ns}", allow=(404,))
+    log(f"no violations; logs in {work}")
+
+
+def summary(args, rounds, counts, latencies, crashed):
+    violations = sum(v for k, v in counts.items() if k.startswith("violation:"))
+    conv = [r["converged_s"] for r in rounds if r["converged_s"] is not None]
+    takeovers = [t for r in rounds for t in r["takeover_s"]]
+    faults = {k[len("fault:"):]: v for k, v in sorted(counts.items()) if k.startswith("fault:")}
+    kills = sum(v for k, v in faults.items() if k.startswith("plugin-kill"))
+    lines = [
+        f"Chaos run: seed {args.seed}, {len(rounds)} rounds, {args.pods} new pods a round, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "",
+        "| round | API fault | burst s | converged s | live pods | ADDs | DELs | plugin kills | violations |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        c = r["counts"]
+        k = sum(v for key, v in c.items() if key.startswith("fault:plugin-kill"))
+        lines.append(f"| {r['round']} | {r['api_fault']} | {r['burst_s']} | "
+                     f"{r['converged_s'] if r['converged_s'] is not None else 'never'} | "
+                     f"{r['live']} | {c.get('op:add', 0)} | {c.get('op:del', 0)} | {k} | "
+                     f"{len(r['problems'])} |")
+    lines += [
+        "",
+        f"Totals: {counts.get('op:add', 0)} ADDs, {counts.get('op:del', 0)} DELs, "
+        f"{counts.get('pods-vanished', 0)} pods deleted without DEL, "
+        f"{counts.get('pods-given-up', 0)} pods given up after {ADD_TRIES} failed sandboxes; "
+        f"faults: {kills} plugin kills, "
+        + ", ".join(f"{k} {v}" for k, v in faults.items() if not k.startswith("plugin-kill"))
+        + f"; violations: {violations}"
+        + (f"; time to converge: max {max(conv):.1f} s, median "
+           f"{sorted(conv)[len(conv) // 2]:.1f} s" if conv else "")
+        + (f"; operator leader takeover: max {max(takeovers):.1f} s, median "
+           f"{sorted(takeovers)[len(takeovers) // 2]:.1f} s" if takeovers else ""),
+    ]
+    failed = {k: v for k, v in sorted(counts.items()) if "-failed:" in k}
+    if failed:
+        lines.append("")
+        lines.append("Failed calls (retried as the runtime does): "
+                     + ", ".join(f"{k} {v}" for k, v in failed.items()))
+    lines.append("")
+    lines.append("| plugin call | calls | p50 s | max s |")
+    lines.append("|---|---|---|---|")
+    for k, v in latencies.items():
+        lines.append(f"| {k} | {v['n']} | {v['p50']} | {v['max']} |")
+    return {"markdown": "\n".join(lines), "violations": violations, "rounds": rounds,
+            "counts": counts, "latencies": latencies, "panics": crashed, "seed": args.seed}
+
+
+if __name__ == "__main__":
+    main()
