@@ -165,7 +165,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 SYNCING => Err("not synced".to_owned()),
                 _ => Ok(()),
             });
-        let listener = std::net::TcpListener::bind(args.webhook_addr)
+        let listener = webhook::limits::listen(args.webhook_addr)
             .with_context(|| format!("--webhook-addr {}: cannot listen", args.webhook_addr))?;
         let limits = webhook::Limits {
             max_connections: args.webhook_max_connections,

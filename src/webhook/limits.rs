@@ -11,7 +11,7 @@
 //! | [`HEADER_READ_TIMEOUT`] | the first request of a connection (HTTP/1 and HTTP/2), and every HTTP/1 request head |
 //! | [`super::REQUEST_TIMEOUT`] | a request whose body trickles in, or whose answer is slow |
 //! | [`IDLE_TIMEOUT`] | a connection that sends no request at all for a while |
-//! | [`MAX_CONNECTIONS`] | open connections; beyond it new ones wait in the kernel's listen queue |
+//! | [`MAX_CONNECTIONS`] | open connections; beyond it new ones wait in the kernel's listen queue ([`LISTEN_BACKLOG`]) |
 //! | [`MAX_REQUESTS`] | requests past their headers at once (body memory); beyond it they wait up to [`QUEUE_WAIT`], then 503 |
 //! | [`MAX_STREAMS`], [`MAX_HEADER_BYTES`] | HTTP/2 streams per connection, request header size (both protocols) |
 //! | [`super::BODY_LIMIT`] | the body: a larger Content-Length is refused with 413 before reading; a chunked body is cut there |
@@ -71,6 +71,26 @@ pub const MAX_STREAMS: u32 = 128;
 /// Request header bytes (HTTP/2 header list; HTTP/1 read buffer, which holds the head). The API
 /// server sends a few hundred bytes of headers; 16 KiB is hyper's HTTP/2 default and leaves room.
 pub const MAX_HEADER_BYTES: u32 = 16 * 1024;
+
+/// Connections the kernel holds for us once MAX_CONNECTIONS are open (the listen queue). The
+/// standard library listens with 128; past the queue, a new connection's SYN is dropped and the
+/// client retries it after 1 s, then 3 s, which the API server's 5 s budget cannot afford. The
+/// kernel caps it at `net.core.somaxconn` (4096 by default since Linux 5.4).
+pub const LISTEN_BACKLOG: u32 = 1024;
+
+/// A listening socket for the webhook on `addr`, with [`LISTEN_BACKLOG`]. Must run inside the
+/// Tokio runtime.
+pub fn listen(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As std's TcpListener::bind does: a restarted operator can bind while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)?.into_std()
+}
 
 /// The webhook's limits; `Default` is what production runs with.
 #[derive(Debug, Clone)]
