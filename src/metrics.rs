@@ -43,7 +43,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
         leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
         build_info: register(&r, IntGaugeVec::new(Opts::new("whereabouts_build_info", "Build information."), &["version"]).unwrap()),
-        webhook_requests: register(&r, IntCounterVec::new(Opts::new("whereabouts_webhook_requests_total", "Admission reviews, by operation and result (allowed, denied, error)."), &["operation", "result"]).unwrap()),
+        webhook_requests: register(&r, IntCounterVec::new(Opts::new("whereabouts_webhook_requests_total", "Admission reviews, by operation and result (allowed, denied, error, overloaded)."), &["operation", "result"]).unwrap()),
         webhook_duration: register(
             &r,
             prometheus::Histogram::with_opts(HistogramOpts::new("whereabouts_webhook_duration_seconds", "Time to answer an admission review.").buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0])).unwrap(),

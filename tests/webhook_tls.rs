@@ -75,9 +75,16 @@ fn serve_on_loopback(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let files = CertFiles::new(dir.join("tls.crt"), dir.join("tls.key"));
     let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
-    let server = tokio::spawn(webhook::tls::serve(listener, files, app, loaded, async {
-        let _ = stop_rx.await;
-    }));
+    let server = tokio::spawn(webhook::tls::serve(
+        listener,
+        files,
+        app,
+        webhook::Limits::default(),
+        loaded,
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
     (addr, stop_tx, server)
 }
 

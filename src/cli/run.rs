@@ -59,6 +59,14 @@ pub struct RunArgs {
         requires = "tls_cert_file"
     )]
     pub tls_key_file: Option<PathBuf>,
+    /// Webhook connections open at once; more wait in the listen queue. Each costs memory while
+    /// open (docs/benchmarks.md, "Webhook under abuse").
+    #[arg(long, env = "WHEREABOUTS_WEBHOOK_MAX_CONNECTIONS", default_value_t = webhook::limits::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), value_name = "N")]
+    pub webhook_max_connections: usize,
+    /// Webhook requests handled at once (each may buffer a body of up to 1 MiB); more wait up to
+    /// 1 s for a slot, then get 503.
+    #[arg(long, env = "WHEREABOUTS_WEBHOOK_MAX_REQUESTS", default_value_t = webhook::limits::MAX_REQUESTS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), value_name = "N")]
+    pub webhook_max_requests: usize,
     /// Namespace of the IP pools (default: the kubeconfig context's namespace, else kube-system).
     #[arg(long, env = "WHEREABOUTS_POOL_NAMESPACE", value_name = "NAMESPACE")]
     pub pool_namespace: Option<String>,
@@ -157,17 +165,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 SYNCING => Err("not synced".to_owned()),
                 _ => Ok(()),
             });
-        let listener = std::net::TcpListener::bind(args.webhook_addr)
+        let listener = webhook::limits::listen(args.webhook_addr)
             .with_context(|| format!("--webhook-addr {}: cannot listen", args.webhook_addr))?;
-        let app = webhook::router(WebhookState::new(Arc::new(WatchedNads {
-            store: store.clone(),
-            generation: nad_generation.clone(),
-        })));
+        let limits = webhook::Limits {
+            max_connections: args.webhook_max_connections,
+            max_requests: args.webhook_max_requests,
+            ..webhook::Limits::default()
+        };
+        let app = webhook::router_with(
+            WebhookState::new(Arc::new(WatchedNads {
+                store: store.clone(),
+                generation: nad_generation.clone(),
+            })),
+            &limits,
+        );
         let files = CertFiles::new(cert, key);
         let stop = shutdown.clone();
         tasks.push(Box::pin(async move {
             tracing::info!(addr = %args.webhook_addr, "admission webhook listening (HTTPS)");
-            webhook::tls::serve(listener, files, app, loaded, stop.wait())
+            webhook::tls::serve(listener, files, app, limits, loaded, stop.wait())
                 .await
                 .context("webhook server")
         }));

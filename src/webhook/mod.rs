@@ -3,10 +3,12 @@
 //! [`router`] is an axum `Router` (tests drive it with `tower::ServiceExt::oneshot`); [`admission`]
 //! turns an AdmissionReview into a verdict with the shared validator; [`index`] answers "which
 //! other NADs overlap this one" from the operator's watch cache; [`tls`] serves the router over
-//! rustls (ring) and swaps the certificate when its files change.
+//! rustls (ring) and swaps the certificate when its files change; [`limits`] bounds what a slow,
+//! greedy or hostile client can cost.
 
 pub mod admission;
 pub mod index;
+pub mod limits;
 pub mod tls;
 
 use std::sync::Arc;
@@ -18,9 +20,11 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 
 pub use index::{NadIndex, NadSource, WatchedNads};
+pub use limits::Limits;
 
 /// Largest AdmissionReview accepted. The API server caps objects at about 1.5 MiB, but a NAD is a
 /// few hundred bytes; a megabyte leaves room for big conflists and none for abuse.
@@ -43,14 +47,29 @@ impl WebhookState {
     }
 }
 
-/// `POST /validate`, with the body size and time bounded.
+/// `POST /validate` with the production [`Limits`].
 pub fn router(state: WebhookState) -> Router {
+    router_with(state, &Limits::default())
+}
+
+/// `POST /validate`, with the body size, the requests in flight and the time bounded.
+///
+/// Outermost first: the deadline (which also ends a body that trickles in), then the body size
+/// (a Content-Length above the limit is answered 413 before a byte of the body is read; a body
+/// without one is cut at the limit), then a slot among `max_requests` (so only that many bodies
+/// are buffered at once).
+pub fn router_with(state: WebhookState, limits: &Limits) -> Router {
     Router::new()
         .route("/validate", post(validate))
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            limits::RequestGate::new(limits),
+            limits::admit,
+        ))
+        .layer(DefaultBodyLimit::max(limits.body_limit))
+        .layer(RequestBodyLimitLayer::new(limits.body_limit))
         .layer(TimeoutLayer::with_status_code(
             StatusCode::REQUEST_TIMEOUT,
-            REQUEST_TIMEOUT,
+            limits.request_timeout,
         ))
         .with_state(state)
 }

@@ -15,10 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use axum_server::tls_rustls::RustlsConfig;
+use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::limits::{ConnGate, IdleAcceptor, Limits};
 
 /// How often the certificate files are compared with what is being served.
 pub const POLL: Duration = Duration::from_secs(1);
@@ -110,14 +112,20 @@ pub type Pem = (Vec<u8>, Vec<u8>);
 
 /// Serves `app` over HTTPS on `listener` until `shutdown` resolves, then drains for up to [`DRAIN`].
 /// Until the first certificate loads, connections wait in the listen queue and `loaded` stays
-/// false (readiness reports it).
+/// false (readiness reports it). The connection-level `limits` apply here (deadlines, connection
+/// bound, HTTP/2 streams, header size); `app` carries the request-level ones
+/// ([`super::router_with`] with the same limits).
 pub async fn serve(
     listener: std::net::TcpListener,
     files: CertFiles,
     app: Router,
+    limits: Limits,
     loaded: Arc<AtomicBool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
+    limits
+        .check()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let mut shutdown = Box::pin(shutdown);
     let (config, seen) = loop {
         match files.load() {
@@ -140,10 +148,21 @@ pub async fn serve(
         on_shutdown.graceful_shutdown(Some(DRAIN));
     });
     listener.set_nonblocking(true)?;
-    let result = axum_server::from_tcp_rustls(listener, rustls)?
-        .handle(handle)
-        .serve(app.into_make_service())
-        .await;
+    let acceptor = RustlsAcceptor::new(rustls)
+        .handshake_timeout(limits.handshake_timeout)
+        .acceptor(IdleAcceptor::new(&limits));
+    let mut server = axum_server::from_tcp(listener)?
+        .acceptor(acceptor)
+        .first_request_timeout(limits.header_read_timeout)
+        .handle(handle);
+    let http = server.http_builder();
+    http.http1()
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes as usize);
+    http.http2()
+        .max_concurrent_streams(limits.max_streams)
+        .max_header_list_size(limits.max_header_bytes);
+    let result = server.serve(ConnGate::new(app, &limits)).await;
     reloader.abort();
     result
 }
