@@ -72,8 +72,10 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
+    // The port actually bound: `:0` (tests running agents side by side) picks a free one.
+    let admin = admin_listener.local_addr()?;
     let (listener, own_uid) = bind(&args.socket).await?;
-    tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, admin = %args.admin_addr, "node agent listening");
+    tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, %admin, "node agent listening");
     let agent = Arc::new(Agent::new(store, args.serves_kubeconfig, own_uid));
     crate::metrics::agent::register_collector(Box::new(agent.batcher().depth_collector()));
     let health = Arc::new(Health::new(&args.socket));
