@@ -167,7 +167,8 @@ class Scenario:
         log_file = open(self.agent_log, "wb")
         self.agent = subprocess.Popen(
             [str(self.impl["agent"]), "agent", "--socket", str(self.socket),
-             "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig)],
+             "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig),
+             "--admin-addr", "127.0.0.1:0"],
             stdout=log_file, stderr=log_file,
             env={**os.environ, "RUST_LOG": "info,whereabouts::agent=debug"})
         log_file.close()

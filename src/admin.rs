@@ -1,8 +1,10 @@
 //! The admin port: plain HTTP for probes and `/metrics`, never the webhook's TLS port.
 //!
 //! Readiness reflects real state: each component registers a named check, and `/readyz` answers
-//! 200 `ok` only when every check passes, else 503 naming each failing check. [`router`] is a
-//! function so more routes (`/metrics`) can be merged in and tests can drive it with `oneshot`.
+//! 200 `ok` only when every check passes, else 503 naming each failing check. `/livez` works the
+//! same over the liveness checks (none: the process answers, which is all the operator needs; the
+//! node agent adds one). `/metrics` renders the operator's registry unless told another (the
+//! agent's). [`router`] is a function so tests can drive it with `oneshot`.
 
 use std::sync::Arc;
 
@@ -13,15 +15,43 @@ use axum::routing::get;
 
 type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
-/// The named readiness checks.
-#[derive(Clone, Default)]
+/// The named readiness and liveness checks, and the metrics to serve.
+#[derive(Clone)]
 pub struct AdminState {
     checks: Vec<(&'static str, Check)>,
+    live: Vec<(&'static str, Check)>,
+    render: fn() -> String,
+}
+
+impl Default for AdminState {
+    fn default() -> Self {
+        AdminState {
+            checks: Vec::new(),
+            live: Vec::new(),
+            render: crate::metrics::render,
+        }
+    }
 }
 
 impl AdminState {
     pub fn new() -> Self {
         AdminState::default()
+    }
+
+    /// Adds a liveness check: `Err(reason)` makes `/livez` answer 503 with `name: reason`.
+    pub fn live(
+        mut self,
+        name: &'static str,
+        f: impl Fn() -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.live.push((name, Arc::new(f)));
+        self
+    }
+
+    /// Serves `render`'s text on `/metrics` instead of the operator's registry.
+    pub fn metrics(mut self, render: fn() -> String) -> Self {
+        self.render = render;
+        self
     }
 
     /// Adds a check: `Err(reason)` makes `/readyz` answer 503 with `name: reason`.
@@ -34,25 +64,39 @@ impl AdminState {
         self
     }
 
-    /// Every failing check as `name: reason`.
+    /// Every failing readiness check as `name: reason`.
     pub fn failing(&self) -> Vec<String> {
-        self.checks
-            .iter()
-            .filter_map(|(name, f)| f().err().map(|why| format!("{name}: {why}")))
-            .collect()
+        failing(&self.checks)
     }
+}
+
+fn failing(checks: &[(&'static str, Check)]) -> Vec<String> {
+    checks
+        .iter()
+        .filter_map(|(name, f)| f().err().map(|why| format!("{name}: {why}")))
+        .collect()
 }
 
 pub fn router(state: AdminState) -> Router {
     Router::new()
-        .route("/livez", get(|| async { "ok\n" }))
+        .route("/livez", get(livez))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(|| async { crate::metrics::render() }))
+        .route(
+            "/metrics",
+            get(|State(state): State<AdminState>| async move { (state.render)() }),
+        )
         .with_state(state)
 }
 
+async fn livez(State(state): State<AdminState>) -> (StatusCode, String) {
+    answer(failing(&state.live))
+}
+
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
-    let failing = state.failing();
+    answer(state.failing())
+}
+
+fn answer(failing: Vec<String>) -> (StatusCode, String) {
     if failing.is_empty() {
         (StatusCode::OK, "ok\n".to_owned())
     } else {
@@ -60,5 +104,45 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{}\n", failing.join("\n")),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+
+    use super::*;
+
+    async fn get(state: &AdminState, path: &str) -> (StatusCode, String) {
+        let req = Request::get(path).body(Body::empty()).unwrap();
+        let resp = router(state.clone()).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn livez_names_each_failing_liveness_check_and_metrics_can_be_another_registry() {
+        let plain = AdminState::new();
+        assert_eq!(get(&plain, "/livez").await, (StatusCode::OK, "ok\n".into()));
+        let (_, text) = get(&plain, "/metrics").await;
+        assert!(text.contains("whereabouts_build_info"), "{text}");
+
+        let agent = AdminState::new()
+            .live("socket", || Err("no answer on /run/x.sock for 31s".into()))
+            .check("socket", || Ok(()))
+            .metrics(|| "agent_only 1\n".into());
+        assert_eq!(
+            get(&agent, "/livez").await,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "socket: no answer on /run/x.sock for 31s\n".into()
+            )
+        );
+        assert_eq!(get(&agent, "/readyz").await.0, StatusCode::OK);
+        assert_eq!(get(&agent, "/metrics").await.1, "agent_only 1\n");
     }
 }

@@ -1,7 +1,8 @@
-//! Every Prometheus metric of the operator, registered in one registry.
+//! Every Prometheus metric of whereabouts: the operator's, registered in one registry, and the
+//! node agent's ([`agent`]), in a registry of its own.
 //!
-//! Labels are pools, networks, controllers and reasons only: never one series per address or pod.
-//! Nothing here is touched on the CNI plugin's allocation path.
+//! Labels are pools, networks, controllers, commands and reasons only: never one series per
+//! address or pod. Nothing here is touched on the CNI plugin's allocation path.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -105,7 +106,8 @@ pub fn register_collector(c: Box<dyn prometheus::core::Collector>) {
     }
 }
 
-/// The name of every metric the operator can export (series appear once they have a value).
+/// The name of every metric the operator or the node agent can export (series appear once they
+/// have a value).
 pub fn defined_names() -> Vec<String> {
     use prometheus::core::Collector;
     let m = &*METRICS;
@@ -126,6 +128,7 @@ pub fn defined_names() -> Vec<String> {
         .flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone()))
         .collect();
     names.extend(crate::controller::usage::family_names());
+    names.extend(agent::defined_names());
     names
 }
 
@@ -147,6 +150,110 @@ pub fn render() -> String {
     String::from_utf8(out).expect("prometheus text is UTF-8")
 }
 
+pub mod agent {
+    //! The node agent's metrics. Its own registry: the agent is another process, and its
+    //! `/metrics` must not carry the operator's families (a `whereabouts_leader 0` from every
+    //! node).
+
+    use super::*;
+    use prometheus::core::Collector;
+
+    /// The gauge of requests waiting in each pool's queue, computed at scrape time from the
+    /// queues themselves (see `agent::batch`), so it can never drift from them.
+    pub const QUEUE_DEPTH: &str = "whereabouts_agent_queue_depth";
+    pub const QUEUE_DEPTH_HELP: &str =
+        "Requests admitted to a pool's queue of the node agent and not yet in a group, by pool.";
+
+    pub struct AgentMetrics {
+        pub registry: Registry,
+        pub requests: IntCounterVec,
+        pub request_duration: HistogramVec,
+        pub handbacks: IntCounterVec,
+        pub group_size: HistogramVec,
+        pub build_info: IntGaugeVec,
+    }
+
+    static AGENT: LazyLock<AgentMetrics> = LazyLock::new(|| {
+        let r = Registry::new();
+        let m = AgentMetrics {
+            requests: register(&r, IntCounterVec::new(Opts::new("whereabouts_agent_requests_total", "Requests the node agent answered, by command (add, del, check, gc, status, version, unknown) and result (ok, error, handback)."), &["command", "result"]).unwrap()),
+            request_duration: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_agent_request_duration_seconds", "Time from reading a request to answering it, hand-backs included.").buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]), &["command"]).unwrap()),
+            handbacks: register(&r, IntCounterVec::new(Opts::new("whereabouts_agent_handbacks_total", "Requests the node agent handed back to the plugin to run itself, by reason."), &["reason"]).unwrap()),
+            // A group is at most 500 (MAX_GROUP in agent::batch).
+            group_size: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_agent_group_size", "Requests per group the node agent wrote to a pool, by kind (add, del).").buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0]), &["kind"]).unwrap()),
+            build_info: register(&r, IntGaugeVec::new(Opts::new("whereabouts_build_info", "Build information."), &["version"]).unwrap()),
+            registry: r,
+        };
+        m.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
+        m
+    });
+
+    pub fn metrics() -> &'static AgentMetrics {
+        &AGENT
+    }
+
+    /// Names of the agent's metrics (the queue depth gauge included).
+    pub fn defined_names() -> Vec<String> {
+        let m = &*AGENT;
+        let collectors: Vec<&dyn Collector> = vec![
+            &m.requests,
+            &m.request_duration,
+            &m.handbacks,
+            &m.group_size,
+        ];
+        let mut names: Vec<String> = collectors
+            .iter()
+            .flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone()))
+            .collect();
+        names.push(QUEUE_DEPTH.to_owned());
+        names
+    }
+
+    /// One request answered: `result` is `ok`, `error` or `handback`.
+    pub fn record_request(command: &str, result: &str, took: Duration) {
+        AGENT.requests.with_label_values(&[command, result]).inc();
+        AGENT
+            .request_duration
+            .with_label_values(&[command])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Makes the series of `reason` exist at 0, so that `rate()` sees its first hand-back.
+    pub fn declare_handback(reason: &str) {
+        AGENT.handbacks.with_label_values(&[reason]);
+    }
+
+    pub fn record_handback(reason: &str) {
+        AGENT.handbacks.with_label_values(&[reason]).inc();
+    }
+
+    /// One group written: `kind` is `add` or `del`.
+    pub fn observe_group(kind: &str, size: usize) {
+        AGENT
+            .group_size
+            .with_label_values(&[kind])
+            .observe(size as f64);
+    }
+
+    /// Adds a scrape-time collector (the queue depths); a second registration is ignored.
+    pub fn register_collector(c: Box<dyn Collector>) {
+        if let Err(e) = AGENT.registry.register(c) {
+            tracing::debug!(error = %e, "agent collector already registered");
+        }
+    }
+
+    /// The Prometheus text exposition of the agent's metrics.
+    pub fn render() -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&AGENT.registry.gather(), &mut out)
+            .expect("text encoding");
+        String::from_utf8(out).expect("prometheus text is UTF-8")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,5 +269,20 @@ mod tests {
         );
         assert!(text.contains("whereabouts_leader 1"));
         assert!(text.contains("whereabouts_build_info{version="));
+    }
+
+    #[test]
+    fn the_agent_registry_holds_only_agent_families() {
+        agent::record_handback("busy");
+        agent::observe_group("add", 3);
+        let text = agent::render();
+        assert!(
+            text.contains("whereabouts_agent_handbacks_total{reason=\"busy\"}"),
+            "{text}"
+        );
+        assert!(text.contains("whereabouts_agent_group_size_bucket{kind=\"add\",le=\"5\"}"));
+        assert!(text.contains("whereabouts_build_info{version="));
+        assert!(!text.contains("whereabouts_leader"), "{text}");
+        assert!(defined_names().contains(&agent::QUEUE_DEPTH.to_owned()));
     }
 }

@@ -1,4 +1,5 @@
-//! The install manifests in config/ stay in step with the generated CRDs in crds/.
+//! The install manifests in config/ stay in step with the generated CRDs in crds/ and with the
+//! binaries they run.
 
 #[test]
 fn config_crd_is_a_copy_of_crds() {
@@ -15,4 +16,66 @@ fn config_crd_is_a_copy_of_crds() {
             "config/crd/{file} differs from crds/{file}: run `make crds`"
         );
     }
+}
+
+/// The node agent container has a liveness and a readiness probe on its admin port, and that
+/// port is the one its `--admin-addr` (parsed by the real CLI) listens on.
+#[test]
+fn the_agent_container_is_probed_on_its_admin_port() {
+    use clap::Parser as _;
+    use serde_yaml::Value;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: whereabouts::cli::agent::AgentArgs,
+    }
+
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/cni/daemonset.yaml")).unwrap();
+    let ds: Value = serde_yaml::from_str(&text).unwrap();
+    let containers = ds["spec"]["template"]["spec"]["containers"]
+        .as_sequence()
+        .unwrap();
+    let agent = containers
+        .iter()
+        .find(|c| c["name"] == "agent")
+        .expect("an agent container");
+    let args: Vec<&str> = agent["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(args[0], "agent");
+    let cli = Cli::try_parse_from(std::iter::once("agent").chain(args[1..].iter().copied()))
+        .unwrap_or_else(|e| panic!("the agent's args do not parse: {e}"));
+    let listens = cli.agent.admin_addr.port();
+
+    let ports = agent["ports"]
+        .as_sequence()
+        .expect("the agent declares ports");
+    let port_of = |name: &Value| -> u64 {
+        if let Some(n) = name.as_u64() {
+            return n;
+        }
+        ports
+            .iter()
+            .find(|p| &p["name"] == name)
+            .and_then(|p| p["containerPort"].as_u64())
+            .unwrap_or_else(|| panic!("no container port named {name:?}"))
+    };
+    for (probe, path) in [("livenessProbe", "/livez"), ("readinessProbe", "/readyz")] {
+        let get = &agent[probe]["httpGet"];
+        assert_eq!(get["path"].as_str(), Some(path), "agent {probe} path");
+        assert_eq!(
+            port_of(&get["port"]),
+            u64::from(listens),
+            "agent {probe} port is not --admin-addr's"
+        );
+    }
+    assert!(
+        ports.iter().any(|p| p["name"] == "metrics"),
+        "the metrics port is named for the PodMonitor"
+    );
 }

@@ -1,4 +1,5 @@
-//! The monitoring pieces name only metrics the operator defines.
+//! The monitoring pieces name only metrics the operator or the node agent defines, and scrape
+//! what they mean to.
 
 use std::collections::BTreeSet;
 
@@ -41,7 +42,7 @@ fn check(file: &str) {
     {
         assert!(
             defined.contains(base(name)),
-            "{file} uses {name}, which the operator does not export; defined: {defined:?}"
+            "{file} uses {name}, which neither the operator nor the agent exports; defined: {defined:?}"
         );
     }
 }
@@ -92,7 +93,66 @@ fn the_issue_metric_names_are_all_defined() {
         "whereabouts_webhook_duration_seconds",
         "whereabouts_leader",
         "whereabouts_build_info",
+        "whereabouts_agent_queue_depth",
+        "whereabouts_agent_group_size",
+        "whereabouts_agent_handbacks_total",
+        "whereabouts_agent_requests_total",
+        "whereabouts_agent_request_duration_seconds",
     ] {
         assert!(defined.contains(name), "{name} is not defined");
+    }
+}
+
+/// The PodMonitor scrapes the node agent: it selects the DaemonSet's pods and names the agent
+/// container's metrics port.
+#[test]
+fn the_pod_monitor_selects_the_agent_and_its_port() {
+    use serde_yaml::Value;
+    let read = |path: &str| -> Value {
+        let text =
+            std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+        serde_yaml::from_str(&text).unwrap()
+    };
+    let monitor = read("config/monitoring/podmonitor.yaml");
+    let ds = read("config/cni/daemonset.yaml");
+    let kustomization = read("config/monitoring/kustomization.yaml");
+    assert!(
+        kustomization["resources"]
+            .as_sequence()
+            .unwrap()
+            .contains(&Value::from("podmonitor.yaml")),
+        "podmonitor.yaml is not in the kustomization"
+    );
+    let template = &ds["spec"]["template"];
+    let wanted = monitor["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .unwrap();
+    assert!(!wanted.is_empty());
+    for (k, v) in wanted {
+        assert_eq!(&template["metadata"]["labels"][k], v, "label {k:?}");
+    }
+    assert_eq!(
+        monitor["metadata"]["namespace"],
+        ds["metadata"]["namespace"]
+    );
+    let agent = template["spec"]["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "agent")
+        .unwrap();
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]
+        .as_sequence()
+        .unwrap()
+    {
+        let port = &endpoint["port"];
+        assert!(
+            agent["ports"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .any(|p| &p["name"] == port),
+            "the agent has no port named {port:?}"
+        );
     }
 }

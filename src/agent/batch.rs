@@ -7,9 +7,13 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
+use prometheus::{IntGaugeVec, Opts};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::cni::Allocate;
@@ -17,10 +21,23 @@ use crate::cni::allocate::{AllocError, Allocated, Scope};
 use crate::cni::group::{Job, allocate_group_from, release_group};
 use crate::cni::protocol::Attachment;
 use crate::config::RangeConfig;
+use crate::metrics::agent as metrics;
 use crate::store::{Pool, Store, StoreError};
 
 /// The most ADDs one group takes; the rest wait for the next group.
 const MAX_GROUP: usize = 500;
+/// Requests one pool's queue holds (admitted, not yet taken into a group): one full group. All
+/// that is queued then fits in the very next group, so a queued request waits for at most the
+/// group being written and its own. The bench writes 200 ADDs in about 0.8 s
+/// (docs/benchmarks.md), so two groups of 500 take seconds against the 110 s an ADD has
+/// (`cni::ADD_DEADLINE`); a longer queue would only hold requests that the plugin, handed them
+/// back, can start at once.
+pub const MAX_POOL_QUEUE: usize = MAX_GROUP;
+/// Requests all pools' queues hold together: half of the connections the agent serves at once
+/// (`server::MAX_IN_FLIGHT`, 2048), so that a pile-up in the queues is handed back as such while
+/// the other half (requests in the groups being written, requests still being read) go on. All
+/// pools share the agent's one API connection: at the bench's pace 1024 requests take about 4 s.
+pub const MAX_QUEUED: usize = 1024;
 /// How long the pool version a worker wrote is trusted as the starting point of its next group.
 const KNOWN_FOR: Duration = Duration::from_secs(2);
 /// A pool's worker stops after this long without work (a node has few pools, but they change).
@@ -51,67 +68,252 @@ impl Work {
     }
 }
 
+/// Work in a pool's queue, with the place it holds there.
+struct Queued {
+    work: Work,
+    _slot: Slot,
+}
+
+/// The bounds of the queues ([`MAX_POOL_QUEUE`], [`MAX_QUEUED`]; tests use small ones).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub per_pool: usize,
+    pub total: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            per_pool: MAX_POOL_QUEUE,
+            total: MAX_QUEUED,
+        }
+    }
+}
+
+/// Why a request was not admitted: the plugin runs it itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QueueFull {
+    #[error(
+        "the node agent's queue for pool {pool} is full ({limit} requests waiting, the per-pool bound)"
+    )]
+    Pool { pool: String, limit: usize },
+    #[error(
+        "the node agent's queues are full ({limit} requests waiting across pools, the total bound)"
+    )]
+    Total { limit: usize },
+}
+
+impl QueueFull {
+    /// The `reason` label of `whereabouts_agent_handbacks_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            QueueFull::Pool { .. } => "pool_queue_full",
+            QueueFull::Total { .. } => "total_queue_full",
+        }
+    }
+}
+
+/// One request's place in one pool's queue, held from admission until the pool's worker takes
+/// the request into a group (or the request ends without sending it): dropping it frees it.
+struct Slot {
+    pool: Arc<AtomicUsize>,
+    total: Arc<AtomicUsize>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.pool.fetch_sub(1, Ordering::SeqCst);
+        self.total.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request admitted to the queues of all its pools at once, before it runs: a full queue
+/// hands the whole request back instead of stopping it between two ranges.
+pub struct Ticket {
+    slots: Mutex<Vec<(String, Slot)>>,
+}
+
+impl Ticket {
+    fn take(&self, pool: &str) -> Option<Slot> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let i = slots.iter().position(|(p, _)| p == pool)?;
+        Some(slots.swap_remove(i).1)
+    }
+}
+
+/// A pool's queue: its worker's channel (none until the first request is sent) and how many
+/// requests hold a place in it.
+#[derive(Default)]
+struct PoolQueue {
+    tx: Option<mpsc::UnboundedSender<Queued>>,
+    waiting: Arc<AtomicUsize>,
+}
+
+type Queues = Arc<Mutex<HashMap<String, PoolQueue>>>;
+
 pub struct Batcher<S> {
     store: Arc<S>,
-    queues: Mutex<HashMap<String, mpsc::UnboundedSender<Work>>>,
+    limits: Limits,
+    /// The channels are unbounded: what they hold is bounded by admission ([`Batcher::admit`]),
+    /// which counts places, plus at most one rollback release per admitted request.
+    queues: Queues,
+    total: Arc<AtomicUsize>,
 }
 
 impl<S: Store + 'static> Batcher<S> {
     pub fn new(store: Arc<S>) -> Self {
+        Self::with_limits(store, Limits::default())
+    }
+
+    pub fn with_limits(store: Arc<S>, limits: Limits) -> Self {
         Batcher {
             store,
-            queues: Mutex::new(HashMap::new()),
+            limits,
+            queues: Arc::default(),
+            total: Arc::default(),
         }
     }
 
-    /// The queue of `pool`, starting its worker when there is none (or it has stopped).
-    fn queue(&self, pool: &str) -> mpsc::UnboundedSender<Work> {
-        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(tx) = queues.get(pool).filter(|tx| !tx.is_closed()) {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PoolQueue>> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admits a request that goes through `pools` (one per range, in order), or says which bound
+    /// is full. All or nothing; places are only taken under the lock, so no bound is overshot.
+    pub fn admit<'p>(&self, pools: impl IntoIterator<Item = &'p str>) -> Result<Ticket, QueueFull> {
+        let pools: Vec<&str> = pools.into_iter().collect();
+        let mut queues = self.lock();
+        for pool in &pools {
+            // A pool named by two ranges needs two places.
+            let need = pools.iter().filter(|p| *p == pool).count();
+            let waiting = queues
+                .get(*pool)
+                .map_or(0, |q| q.waiting.load(Ordering::SeqCst));
+            if waiting + need > self.limits.per_pool {
+                return Err(QueueFull::Pool {
+                    pool: (*pool).to_owned(),
+                    limit: self.limits.per_pool,
+                });
+            }
+        }
+        if self.total.load(Ordering::SeqCst) + pools.len() > self.limits.total {
+            return Err(QueueFull::Total {
+                limit: self.limits.total,
+            });
+        }
+        let slots = pools
+            .iter()
+            .map(|pool| ((*pool).to_owned(), self.slot(&mut queues, pool)))
+            .collect();
+        Ok(Ticket {
+            slots: Mutex::new(slots),
+        })
+    }
+
+    /// The allocator of an admitted request: its work uses the places of `ticket`.
+    pub fn admitted(&self, ticket: Ticket) -> Admitted<'_, S> {
+        Admitted {
+            batcher: self,
+            ticket,
+        }
+    }
+
+    /// Takes a place in `pool`'s queue, whatever the bounds (the caller checked them, or it is a
+    /// rollback of an admitted request).
+    fn slot(&self, queues: &mut HashMap<String, PoolQueue>, pool: &str) -> Slot {
+        let queue = queues.entry(pool.to_owned()).or_default();
+        queue.waiting.fetch_add(1, Ordering::SeqCst);
+        self.total.fetch_add(1, Ordering::SeqCst);
+        Slot {
+            pool: queue.waiting.clone(),
+            total: self.total.clone(),
+        }
+    }
+
+    /// Requests holding a place in `pool`'s queue.
+    pub fn waiting(&self, pool: &str) -> usize {
+        self.lock()
+            .get(pool)
+            .map_or(0, |q| q.waiting.load(Ordering::SeqCst))
+    }
+
+    /// Requests holding a place in any queue.
+    pub fn waiting_total(&self) -> usize {
+        self.total.load(Ordering::SeqCst)
+    }
+
+    /// The scrape-time gauge of every pool's queue depth.
+    pub fn depth_collector(&self) -> QueueDepth {
+        QueueDepth::new(self.queues.clone())
+    }
+
+    /// The channel of `pool`, starting its worker when there is none (or it has stopped).
+    fn queue(&self, pool: &str) -> mpsc::UnboundedSender<Queued> {
+        let mut queues = self.lock();
+        let queue = queues.entry(pool.to_owned()).or_default();
+        if let Some(tx) = queue.tx.as_ref().filter(|tx| !tx.is_closed()) {
             return tx.clone();
         }
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(worker(self.store.clone(), pool.to_owned(), rx));
-        queues.insert(pool.to_owned(), tx.clone());
+        queue.tx = Some(tx.clone());
         tx
     }
 
     /// Hands `work` to its pool's worker.
-    fn send(&self, mut work: Work) -> Result<(), String> {
+    fn send(&self, mut queued: Queued) -> Result<(), String> {
         // A worker that has just stopped for idleness refuses the work: start a new one.
         for _ in 0..2 {
-            match self.queue(work.pool()).send(work) {
+            match self.queue(queued.work.pool()).send(queued) {
                 Ok(()) => return Ok(()),
-                Err(mpsc::error::SendError(back)) => work = back,
+                Err(mpsc::error::SendError(back)) => queued = back,
             }
         }
         Err("could not queue the request".into())
     }
 
-    async fn submit(&self, job: Job) -> Result<Allocated, AllocError> {
+    async fn submit(&self, job: Job, slot: Slot) -> Result<Allocated, AllocError> {
         let (reply, result) = oneshot::channel();
-        self.send(Work::Allocate(job, reply))
-            .map_err(AllocError::Agent)?;
+        self.send(Queued {
+            work: Work::Allocate(job, reply),
+            _slot: slot,
+        })
+        .map_err(AllocError::Agent)?;
         result
             .await
             .unwrap_or_else(|_| Err(AllocError::Agent("the pool's worker stopped".into())))
     }
 
-    async fn submit_release(&self, job: Job) -> Result<Vec<IpAddr>, StoreError> {
-        let stopped = |message: String| StoreError::Transport {
-            op: "release",
-            object: format!("ippool {}", job.range.pool_name),
-            source: Arc::new(std::io::Error::other(message)),
-        };
+    async fn submit_release(&self, job: Job, slot: Slot) -> Result<Vec<IpAddr>, StoreError> {
         let (reply, result) = oneshot::channel();
-        self.send(Work::Release(job.clone(), reply))
-            .map_err(stopped)?;
+        let pool = job.range.pool_name.clone();
+        self.send(Queued {
+            work: Work::Release(job, reply),
+            _slot: slot,
+        })
+        .map_err(|m| release_failed(&pool, m))?;
         result
             .await
-            .unwrap_or_else(|_| Err(stopped("the pool's worker stopped".into())))
+            .unwrap_or_else(|_| Err(release_failed(&pool, "the pool's worker stopped".into())))
+    }
+
+    /// A place for a request that was not admitted as a whole: its own, when there is room.
+    fn admit_one(&self, pool: &str) -> Result<Slot, QueueFull> {
+        let ticket = self.admit([pool])?;
+        Ok(ticket.take(pool).expect("admitted to its pool"))
     }
 }
 
+fn release_failed(pool: &str, message: String) -> StoreError {
+    StoreError::Transport {
+        op: "release",
+        object: format!("ippool {pool}"),
+        source: Arc::new(std::io::Error::other(message)),
+    }
+}
+
+/// Each call is admitted on its own: a full queue fails that range (use [`Batcher::admit`] and
+/// [`Batcher::admitted`] to hand back whole requests instead).
 impl<S: Store + 'static> Allocate<S> for Batcher<S> {
     fn allocate(
         &self,
@@ -120,7 +322,12 @@ impl<S: Store + 'static> Allocate<S> for Batcher<S> {
         scope: Scope<'_>,
         who: &Attachment,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
-        self.submit(Job::new(range, scope, who))
+        let job = Job::new(range, scope, who);
+        let slot = self.admit_one(&range.pool_name);
+        async move {
+            let slot = slot.map_err(|e| AllocError::Agent(e.to_string()))?;
+            self.submit(job, slot).await
+        }
     }
 
     fn release(
@@ -130,14 +337,100 @@ impl<S: Store + 'static> Allocate<S> for Batcher<S> {
         scope: Scope<'_>,
         who: &Attachment,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
-        self.submit_release(Job::new(range, scope, who))
+        let job = Job::new(range, scope, who);
+        let slot = self.admit_one(&range.pool_name);
+        async move {
+            let slot = slot.map_err(|e| release_failed(&job.range.pool_name, e.to_string()))?;
+            self.submit_release(job, slot).await
+        }
     }
 }
 
-async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedReceiver<Work>) {
+/// The allocator of one admitted request: each range's work takes the place the request was
+/// admitted with. A rollback release after its pool's place was used takes one beyond the bound
+/// (at most one per admitted request), since refusing it would leave an address behind.
+pub struct Admitted<'a, S> {
+    batcher: &'a Batcher<S>,
+    ticket: Ticket,
+}
+
+impl<S: Store + 'static> Admitted<'_, S> {
+    fn slot(&self, pool: &str) -> Slot {
+        self.ticket.take(pool).unwrap_or_else(|| {
+            let mut queues = self.batcher.lock();
+            self.batcher.slot(&mut queues, pool)
+        })
+    }
+}
+
+impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
+    fn allocate(
+        &self,
+        _store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
+        let slot = self.slot(&range.pool_name);
+        self.batcher.submit(Job::new(range, scope, who), slot)
+    }
+
+    fn release(
+        &self,
+        _store: &S,
+        range: &RangeConfig,
+        scope: Scope<'_>,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
+        let slot = self.slot(&range.pool_name);
+        self.batcher
+            .submit_release(Job::new(range, scope, who), slot)
+    }
+}
+
+/// `whereabouts_agent_queue_depth{pool}`, read from the queues at scrape time.
+pub struct QueueDepth {
+    queues: Queues,
+    template: IntGaugeVec,
+}
+
+impl QueueDepth {
+    fn new(queues: Queues) -> Self {
+        QueueDepth {
+            queues,
+            template: depth_gauge(),
+        }
+    }
+}
+
+fn depth_gauge() -> IntGaugeVec {
+    IntGaugeVec::new(
+        Opts::new(metrics::QUEUE_DEPTH, metrics::QUEUE_DEPTH_HELP),
+        &["pool"],
+    )
+    .expect("valid gauge")
+}
+
+impl Collector for QueueDepth {
+    fn desc(&self) -> Vec<&Desc> {
+        self.template.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let gauge = depth_gauge();
+        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        for (pool, queue) in queues.iter() {
+            let waiting = queue.waiting.load(Ordering::SeqCst);
+            gauge.with_label_values(&[pool]).set(waiting as i64);
+        }
+        gauge.collect()
+    }
+}
+
+async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedReceiver<Queued>) {
     let mut known: Option<(tokio::time::Instant, Pool)> = None;
     // Work held back from the last batch to keep its order (see `conflicts`).
-    let mut carried: Option<Work> = None;
+    let mut carried: Option<Queued> = None;
     loop {
         let first = match carried.take() {
             Some(work) => work,
@@ -160,7 +453,7 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
                 // A batch runs its releases before its allocations: a DEL that arrived after an
                 // ADD of the same interface waits for the next batch, or it would release
                 // nothing and the ADD would then record an address for a gone container.
-                Ok(next) if conflicts(&queued, &next) => {
+                Ok(next) if conflicts(&queued, &next.work) => {
                     carried = Some(next);
                     break;
                 }
@@ -168,6 +461,8 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
                 Err(_) => break,
             }
         }
+        // Taken into the group: the places in the queue are free for the next requests.
+        let mut queued: Vec<Work> = queued.into_iter().map(|q| q.work).collect();
         // A request that ran out of time meanwhile has rolled back: it must take nothing.
         queued.retain(|w| !w.abandoned());
         let (mut adds, mut dels) = (Vec::new(), Vec::new());
@@ -181,6 +476,7 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
         if !dels.is_empty() {
             // Releases first: the addresses they free are there for the allocations.
             let (jobs, replies): (Vec<Job>, Vec<Released>) = dels.into_iter().unzip();
+            metrics::observe_group("del", jobs.len());
             let results = release_group(&*store, &jobs).await;
             tracing::debug!(%pool, size = jobs.len(), ms = started.elapsed().as_millis() as u64, "group released");
             for (reply, result) in replies.into_iter().zip(results) {
@@ -191,6 +487,7 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
         if !adds.is_empty() {
             let (jobs, replies): (Vec<Job>, Vec<Reply>) = adds.into_iter().unzip();
             let size = jobs.len();
+            metrics::observe_group("add", size);
             // The version this worker wrote last is the pool's current one unless another node
             // wrote since: start from it while it is fresh, saving a read (and, when the read
             // would come from the API server's lagging cache, a lost write).
@@ -219,14 +516,70 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
 }
 
 /// Whether `next` releases an interface that an allocation already in `queued` is for.
-fn conflicts(queued: &[Work], next: &Work) -> bool {
+fn conflicts(queued: &[Queued], next: &Work) -> bool {
     let Work::Release(del, _) = next else {
         return false;
     };
-    queued.iter().any(|w| match w {
+    queued.iter().any(|q| match &q.work {
         Work::Allocate(add, _) => {
             add.who.container_id == del.who.container_id && add.who.ifname == del.who.ifname
         }
         Work::Release(..) => false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::memory::MemoryStore;
+
+    fn depths(batcher: &Batcher<MemoryStore>) -> Vec<(String, i64)> {
+        let families = batcher.depth_collector().collect();
+        assert_eq!(families[0].name(), metrics::QUEUE_DEPTH);
+        let mut depths: Vec<(String, i64)> = families[0]
+            .get_metric()
+            .iter()
+            .map(|m| {
+                let pool = m.get_label()[0].value().to_owned();
+                (pool, m.get_gauge().get_value() as i64)
+            })
+            .collect();
+        depths.sort();
+        depths
+    }
+
+    /// The gauge reads the places held, and a dropped ticket gives its places back.
+    #[test]
+    fn the_depth_gauge_follows_admissions() {
+        let batcher = Batcher::with_limits(
+            Arc::new(MemoryStore::new()),
+            Limits {
+                per_pool: 2,
+                total: 3,
+            },
+        );
+        let first = batcher.admit(["a", "b"]).unwrap();
+        let second = batcher.admit(["a"]).unwrap();
+        assert_eq!(depths(&batcher), [("a".into(), 2), ("b".into(), 1)]);
+        assert_eq!(
+            batcher.admit(["a"]).err(),
+            Some(QueueFull::Pool {
+                pool: "a".into(),
+                limit: 2
+            })
+        );
+        assert_eq!(
+            batcher.admit(["c"]).err(),
+            Some(QueueFull::Total { limit: 3 })
+        );
+        drop(first);
+        assert_eq!(depths(&batcher), [("a".into(), 1), ("b".into(), 0)]);
+        // One pool named by two ranges needs two places.
+        assert!(batcher.admit(["a", "a"]).is_err());
+        drop(second);
+        let twice = batcher.admit(["a", "a"]).unwrap();
+        assert_eq!(batcher.waiting("a"), 2);
+        drop(twice);
+        assert_eq!(batcher.waiting_total(), 0);
+    }
 }

@@ -10,6 +10,7 @@
 
 pub mod batch;
 pub mod client;
+pub mod health;
 pub mod protocol;
 pub mod server;
 

@@ -11,16 +11,65 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
-use super::batch::Batcher;
+use super::batch::{Batcher, Limits};
 use super::protocol::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
 use crate::cni::protocol::{CniError, Command, code};
 use crate::cni::{self, FlatSource, Invocation};
+use crate::metrics::agent as metrics;
 use crate::store::Store;
 
 /// A plugin writes its request at once; one that does not within this time is dropped.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Requests run at once; beyond that the plugin is told to run its request itself.
-const MAX_IN_FLIGHT: usize = 2048;
+/// Connections served at once (requests being read, queued, in a group, or run directly);
+/// beyond that the plugin is told to run its request itself. The queues hold at most half of
+/// this ([`super::batch::MAX_QUEUED`]).
+pub const MAX_IN_FLIGHT: usize = 2048;
+
+/// Why a request was handed back to the plugin: the `reason` label of
+/// `whereabouts_agent_handbacks_total`, a fixed set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandBack {
+    /// The request's pool queue holds [`super::batch::MAX_POOL_QUEUE`] requests.
+    PoolQueueFull,
+    /// All queues together hold [`super::batch::MAX_QUEUED`] requests.
+    TotalQueueFull,
+    /// [`MAX_IN_FLIGHT`] connections are being served.
+    Busy,
+    /// The config names another `kubernetes.kubeconfig` than the one this agent serves.
+    OtherKubeconfig,
+    /// The caller is neither root nor the agent's own user.
+    CallerNotServed,
+    /// A request this agent cannot read (a plugin of another version).
+    UnreadableRequest,
+}
+
+impl HandBack {
+    pub const ALL: [HandBack; 6] = [
+        HandBack::PoolQueueFull,
+        HandBack::TotalQueueFull,
+        HandBack::Busy,
+        HandBack::OtherKubeconfig,
+        HandBack::CallerNotServed,
+        HandBack::UnreadableRequest,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            HandBack::PoolQueueFull => "pool_queue_full",
+            HandBack::TotalQueueFull => "total_queue_full",
+            HandBack::Busy => "busy",
+            HandBack::OtherKubeconfig => "other_kubeconfig",
+            HandBack::CallerNotServed => "caller_not_served",
+            HandBack::UnreadableRequest => "unreadable_request",
+        }
+    }
+}
+
+/// The answer that makes the plugin run its request itself, counted by reason.
+fn hand_back(why: HandBack, reason: String) -> AgentReply {
+    metrics::record_handback(why.label());
+    AgentReply::Direct { reason }
+}
 
 pub struct Agent<S> {
     store: Arc<S>,
@@ -35,14 +84,27 @@ pub struct Agent<S> {
 
 impl<S: Store + 'static> Agent<S> {
     pub fn new(store: S, serves_kubeconfig: String, own_uid: u32) -> Self {
+        Self::with_limits(store, serves_kubeconfig, own_uid, Limits::default())
+    }
+
+    /// [`Agent::new`] with other queue bounds (tests fill small ones).
+    pub fn with_limits(store: S, serves_kubeconfig: String, own_uid: u32, limits: Limits) -> Self {
+        for why in HandBack::ALL {
+            metrics::declare_handback(why.label());
+        }
         let store = Arc::new(store);
         Agent {
-            batcher: Batcher::new(store.clone()),
+            batcher: Batcher::with_limits(store.clone(), limits),
             store,
             serves_kubeconfig,
             own_uid,
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         }
+    }
+
+    /// The allocator, for its queue depths (`whereabouts_agent_queue_depth`).
+    pub fn batcher(&self) -> &Batcher<S> {
+        &self.batcher
     }
 
     /// Serves connections until `shutdown` resolves, then waits up to `grace` for requests in
@@ -85,6 +147,8 @@ impl<S: Store + 'static> Agent<S> {
         // The request is read before any answer, even one that does not run it: closing a socket
         // with unread data resets it, and the caller would lose the answer.
         let request = read_request(&mut stream).await;
+        let started = Instant::now();
+        let command = request.as_ref().map_or("unknown", command_label);
         let reply = match self.in_flight.clone().try_acquire_owned() {
             Ok(_permit) => match (self.caller(&stream), request) {
                 (Some(direct), _) => direct,
@@ -92,14 +156,22 @@ impl<S: Store + 'static> Agent<S> {
                 // The plugin only sends what it built itself: a request this agent cannot read
                 // comes from another version of the plugin (an upgrade in progress), which then
                 // runs it itself.
-                (None, Err(e)) => AgentReply::Direct {
-                    reason: format!("the agent cannot read the request: {}", e.msg),
-                },
+                (None, Err(e)) => hand_back(
+                    HandBack::UnreadableRequest,
+                    format!("the agent cannot read the request: {}", e.msg),
+                ),
             },
-            Err(_) => AgentReply::Direct {
-                reason: "agent busy".into(),
-            },
+            Err(_) => hand_back(
+                HandBack::Busy,
+                format!("agent busy: {MAX_IN_FLIGHT} requests in flight"),
+            ),
         };
+        let result = match reply {
+            AgentReply::Done { .. } => "ok",
+            AgentReply::Failed { .. } => "error",
+            AgentReply::Direct { .. } => "handback",
+        };
+        metrics::record_request(command, result, started.elapsed());
         let mut text = serde_json::to_vec(&reply).expect("replies serialize");
         text.push(b'\n');
         if let Err(e) = stream.write_all(&text).await {
@@ -113,12 +185,14 @@ impl<S: Store + 'static> Agent<S> {
     fn caller(&self, stream: &UnixStream) -> Option<AgentReply> {
         match stream.peer_cred() {
             Ok(cred) if cred.uid() == 0 || cred.uid() == self.own_uid => None,
-            Ok(cred) => Some(AgentReply::Direct {
-                reason: format!("the agent serves root only, not uid {}", cred.uid()),
-            }),
-            Err(e) => Some(AgentReply::Direct {
-                reason: format!("peer credentials: {e}"),
-            }),
+            Ok(cred) => Some(hand_back(
+                HandBack::CallerNotServed,
+                format!("the agent serves root only, not uid {}", cred.uid()),
+            )),
+            Err(e) => Some(hand_back(
+                HandBack::CallerNotServed,
+                format!("peer credentials: {e}"),
+            )),
         }
     }
 
@@ -131,14 +205,30 @@ impl<S: Store + 'static> Agent<S> {
         };
         let kubeconfig = req.ipam.kubeconfig.as_deref().unwrap_or_default();
         if kubeconfig != self.serves_kubeconfig {
-            return AgentReply::Direct {
-                reason: format!(
+            return hand_back(
+                HandBack::OtherKubeconfig,
+                format!(
                     "kubernetes.kubeconfig {kubeconfig:?} is not the one this agent serves ({:?})",
                     self.serves_kubeconfig
                 ),
-            };
+            );
         }
-        let result = cni::handle_within(&*self.store, &self.batcher, &req).await;
+        // ADD and DEL wait in their pools' queues: admitted to all of them now, or handed back
+        // whole before anything ran. CHECK, GC and STATUS read the store directly.
+        let queued = matches!(req.command, Command::Add | Command::Del);
+        let pools = req.ipam.ranges.iter().filter(|_| queued);
+        let ticket = match self.batcher.admit(pools.map(|r| r.pool_name.as_str())) {
+            Ok(ticket) => ticket,
+            Err(full) => {
+                let why = match full {
+                    super::batch::QueueFull::Pool { .. } => HandBack::PoolQueueFull,
+                    super::batch::QueueFull::Total { .. } => HandBack::TotalQueueFull,
+                };
+                return hand_back(why, full.to_string());
+            }
+        };
+        let alloc = self.batcher.admitted(ticket);
+        let result = cni::handle_within(&*self.store, &alloc, &req).await;
         tracing::info!(
             command = ?req.command,
             pod = %req.attachment.podref,
@@ -151,6 +241,20 @@ impl<S: Store + 'static> Agent<S> {
             Ok(output) => AgentReply::Done { output },
             Err(e) => e.into(),
         }
+    }
+}
+
+/// The `command` label of a request: its `CNI_COMMAND`, from a fixed set.
+fn command_label(request: &AgentRequest) -> &'static str {
+    let text = request.env.get("CNI_COMMAND").map_or("", String::as_str);
+    match Command::parse(text) {
+        Ok(Command::Add) => "add",
+        Ok(Command::Del) => "del",
+        Ok(Command::Check) => "check",
+        Ok(Command::Gc) => "gc",
+        Ok(Command::Status) => "status",
+        Ok(Command::Version) => "version",
+        Err(_) => "unknown",
     }
 }
 
@@ -244,5 +348,177 @@ pub fn unbind(path: &Path) {
         && e.kind() != io::ErrorKind::NotFound
     {
         tracing::warn!(path = %path.display(), error = %e, "could not remove the socket");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::agent::batch::Limits;
+    use crate::store::memory::MemoryStore;
+
+    fn add(container: &str, range: &str) -> AgentRequest {
+        let env = BTreeMap::from([
+            ("CNI_COMMAND".to_owned(), "ADD".to_owned()),
+            ("CNI_CONTAINERID".to_owned(), container.to_owned()),
+            ("CNI_IFNAME".to_owned(), "net1".to_owned()),
+            (
+                "CNI_ARGS".to_owned(),
+                format!("K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p-{container}"),
+            ),
+        ]);
+        let conf = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
+            "ipam": {"type": "whereabouts", "range": range}});
+        AgentRequest {
+            env,
+            stdin: conf.to_string(),
+            flat_file: None,
+        }
+    }
+
+    fn direct_reason(reply: &AgentReply) -> &str {
+        match reply {
+            AgentReply::Direct { reason } => reason,
+            other => panic!("expected a hand-back, got {other:?}"),
+        }
+    }
+
+    fn handbacks(why: HandBack) -> u64 {
+        metrics::metrics()
+            .handbacks
+            .with_label_values(&[why.label()])
+            .get()
+    }
+
+    /// Yields until `done` holds (the workers run on this test's runtime).
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        for _ in 0..100_000 {
+            if done() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("never: {what}");
+    }
+
+    const A: &str = "10.0.0.0-24";
+    const B: &str = "10.0.1.0-24";
+
+    /// Pool A's write is held while its queue fills to its bound: the next ADD for A is handed
+    /// back at once, naming the bound; B still queues until the total bound is reached; once the
+    /// write goes through, every queued ADD gets its own address and the queues are empty.
+    #[tokio::test]
+    async fn full_queues_hand_requests_back_and_lose_nothing_queued() {
+        let limits = Limits {
+            per_pool: 2,
+            total: 3,
+        };
+        let agent = Arc::new(Agent::with_limits(
+            MemoryStore::new(),
+            String::new(),
+            0,
+            limits,
+        ));
+        let store = agent.store.clone();
+        let spawn = |container: &str, range: &str| {
+            let (agent, request) = (agent.clone(), add(container, range));
+            tokio::spawn(async move { agent.run(request).await })
+        };
+        store.hold(true);
+        // One ADD per pool is taken into a group and waits at the held store; it holds no place.
+        let mut admitted = vec![spawn("a0", "10.0.0.0/24"), spawn("b0", "10.0.1.0/24")];
+        until("both groups wait at the store", || store.waiting() == 2).await;
+        assert_eq!(agent.batcher().waiting_total(), 0);
+        admitted.push(spawn("a1", "10.0.0.0/24"));
+        admitted.push(spawn("a2", "10.0.0.0/24"));
+        until("A's queue is full", || agent.batcher().waiting(A) == 2).await;
+
+        let before = (
+            handbacks(HandBack::PoolQueueFull),
+            handbacks(HandBack::TotalQueueFull),
+        );
+        let full = agent.run(add("a3", "10.0.0.0/24")).await;
+        assert_eq!(
+            direct_reason(&full),
+            "the node agent's queue for pool 10.0.0.0-24 is full (2 requests waiting, the per-pool bound)"
+        );
+        // Another pool is not held up by A's bound.
+        admitted.push(spawn("b1", "10.0.1.0/24"));
+        until("B queued one", || agent.batcher().waiting(B) == 1).await;
+        assert_eq!(agent.batcher().waiting_total(), 3);
+        let total = agent.run(add("c0", "10.0.2.0/24")).await;
+        assert_eq!(
+            direct_reason(&total),
+            "the node agent's queues are full (3 requests waiting across pools, the total bound)"
+        );
+        assert!(handbacks(HandBack::PoolQueueFull) > before.0);
+        assert!(handbacks(HandBack::TotalQueueFull) > before.1);
+        assert_eq!(
+            agent.batcher().waiting_total(),
+            3,
+            "hand-backs take no place"
+        );
+
+        store.hold(false);
+        let mut ips = Vec::new();
+        for task in admitted {
+            match task.await.unwrap() {
+                AgentReply::Done { output: Some(out) } => {
+                    ips.push(out["ips"][0]["address"].as_str().unwrap().to_owned())
+                }
+                other => panic!("a queued ADD was lost: {other:?}"),
+            }
+        }
+        ips.sort();
+        assert_eq!(
+            ips,
+            [
+                "10.0.0.1/24",
+                "10.0.0.2/24",
+                "10.0.0.3/24",
+                "10.0.1.1/24",
+                "10.0.1.2/24"
+            ]
+        );
+        assert_eq!(agent.batcher().waiting_total(), 0);
+        assert_eq!(
+            (agent.batcher().waiting(A), agent.batcher().waiting(B)),
+            (0, 0)
+        );
+        let pool = store.get_pool(A).await.unwrap().unwrap();
+        assert_eq!(
+            pool.allocations.len(),
+            3,
+            "the handed-back ADD took nothing"
+        );
+    }
+
+    /// A request whose second pool is full is handed back before its first range runs.
+    #[tokio::test]
+    async fn a_request_is_admitted_to_all_its_pools_or_none() {
+        let limits = Limits {
+            per_pool: 1,
+            total: 10,
+        };
+        let agent = Agent::with_limits(MemoryStore::new(), String::new(), 0, limits);
+        let store = agent.store.clone();
+        let held = agent.batcher().admit([B]).unwrap();
+        let mut dual = add("d0", "10.0.0.0/24");
+        dual.stdin = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
+            "ipam": {"type": "whereabouts", "ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/24"}]}})
+        .to_string();
+        let reply = agent.run(dual.clone()).await;
+        assert!(direct_reason(&reply).contains("pool 10.0.1.0-24 is full"));
+        assert_eq!(agent.batcher().waiting(A), 0, "no place kept in A");
+        assert!(store.get_pool(A).await.unwrap().is_none(), "nothing ran");
+        drop(held);
+        assert_eq!(agent.batcher().waiting_total(), 0);
+        let reply = agent.run(dual).await;
+        assert!(matches!(reply, AgentReply::Done { .. }), "{reply:?}");
+        assert_eq!(agent.batcher().waiting_total(), 0);
     }
 }

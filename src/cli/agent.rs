@@ -1,5 +1,6 @@
 //! `whereabouts-operator agent`: the node agent the DaemonSet runs next to the installer.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,6 +8,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 
 use super::run::{parse_duration, signal};
+use crate::admin::{self, AdminState};
+use crate::agent::health::Health;
 use crate::agent::{Agent, bind, unbind};
 use crate::config::DEFAULT_AGENT_SOCKET;
 use crate::store::kube::KubeStore;
@@ -37,6 +40,17 @@ pub struct AgentArgs {
     /// How long requests in flight may finish after SIGTERM.
     #[arg(long, env = "WHEREABOUTS_GRACE", default_value = "20s", value_parser = parse_duration)]
     pub grace: Duration,
+    /// Plain-HTTP address for /metrics, /livez and /readyz. The DaemonSet runs on the host
+    /// network, so this is a port of the node: 9437 is clear of the kubelet (10248, 10250),
+    /// kube-proxy (10249, 10256), node-exporter (9100), Calico (9091, 9099), Cilium (9879, 9890,
+    /// 9962-9965) and NodePorts (30000-32767).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_ADMIN_ADDR",
+        default_value = "0.0.0.0:9437",
+        value_name = "ADDR"
+    )]
+    pub admin_addr: SocketAddr,
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
@@ -53,16 +67,43 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     config.connect_timeout = Some(Duration::from_secs(10));
     let client = crate::kubeconfig::http2_client(config).context("kubernetes client")?;
     let store = KubeStore::new(client, &namespace);
+    // The admin port first: a port taken is a configuration error to report before the socket
+    // is taken over.
+    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
+        .await
+        .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
+    // The port actually bound: `:0` (tests running agents side by side) picks a free one.
+    let admin = admin_listener.local_addr()?;
     let (listener, own_uid) = bind(&args.socket).await?;
-    tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, "node agent listening");
+    tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, %admin, "node agent listening");
     let agent = Arc::new(Agent::new(store, args.serves_kubeconfig, own_uid));
+    crate::metrics::agent::register_collector(Box::new(agent.batcher().depth_collector()));
+    let health = Arc::new(Health::new(&args.socket));
+    health.set_bound(true);
+    tokio::spawn(serve_admin(admin_listener, health.clone()));
+    let probes = health.clone();
+    tokio::spawn(async move { probes.probe_forever().await });
     let socket = args.socket.clone();
     let shutdown = async move {
         signal().await;
         // New requests go direct at once; those in flight finish.
+        health.set_bound(false);
         unbind(&socket);
         tracing::info!("shutting down");
     };
     agent.serve(listener, shutdown, args.grace).await;
     Ok(())
+}
+
+/// `/livez` (the agent answers itself on its socket), `/readyz` (the socket is bound) and the
+/// agent's `/metrics`, until the process ends.
+async fn serve_admin(listener: tokio::net::TcpListener, health: Arc<Health>) {
+    let (live, ready) = (health.clone(), health);
+    let state = AdminState::new()
+        .live("socket", move || live.live())
+        .check("socket", move || ready.ready())
+        .metrics(crate::metrics::agent::render);
+    if let Err(e) = axum::serve(listener, admin::router(state)).await {
+        tracing::error!(error = %e, "the admin port stopped; /livez fails and the kubelet restarts the agent");
+    }
 }

@@ -2,7 +2,7 @@
 //! of the CNI handlers (including concurrency) without a cluster.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
@@ -25,6 +25,11 @@ pub struct MemoryStore {
     /// When set, every call yields to the scheduler first, so that concurrent tasks interleave
     /// between requests the way concurrent processes do against an API server.
     interleave: std::sync::atomic::AtomicBool,
+    /// While true, every call that pauses waits at its start: a test holds a group's write to
+    /// fill the queues behind it.
+    held: watch::Sender<bool>,
+    /// Calls waiting at the hold.
+    waiting: AtomicUsize,
 }
 
 impl Default for MemoryStore {
@@ -36,6 +41,8 @@ impl Default for MemoryStore {
             fail: Mutex::default(),
             calls: Mutex::default(),
             interleave: Default::default(),
+            held: watch::Sender::new(false),
+            waiting: AtomicUsize::new(0),
         }
     }
 }
@@ -132,7 +139,23 @@ impl MemoryStore {
         self
     }
 
+    /// Holds (`true`) or lets go of (`false`) every call that pauses (reads and writes).
+    pub fn hold(&self, on: bool) {
+        self.held.send_replace(on);
+    }
+
+    /// How many calls are waiting at the hold.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
     async fn pause(&self) {
+        if *self.held.borrow() {
+            let mut held = self.held.subscribe();
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            let _ = held.wait_for(|on| !*on).await;
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
         if self.interleave.load(Ordering::Relaxed) {
             tokio::task::yield_now().await;
         }

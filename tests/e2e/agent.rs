@@ -41,6 +41,8 @@ impl Agent {
             .arg(kubeconfig)
             .arg("--serves-kubeconfig")
             .arg(serves)
+            // Any free port: tests run agents side by side (and a node's agent may hold 9437).
+            .arg("--admin-addr=127.0.0.1:0")
             .env("RUST_LOG", "info,whereabouts=debug")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
