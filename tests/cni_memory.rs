@@ -963,3 +963,113 @@ async fn legacy_versions_get_ip4_and_ip6_results() {
     assert!(store.get_pool("10.1.0.0-24").await.unwrap().is_none());
     assert!(store.get_pool("10.3.0.0-24").await.unwrap().is_none());
 }
+
+/// Fills pool 10.128.0.0-16 so that the entry of ADD c-new (pod ns/new) is one byte too many
+/// for the pool object; returns the number of entries.
+async fn fill_pool_object(store: &MemoryStore) -> u128 {
+    use whereabouts::crd::size::{POOL_OBJECT_BUDGET, entry_bytes};
+    let filler = |o: u128| IPAllocation {
+        id: format!("{o:064x}"),
+        podref: format!("tenant-namespace/app-deployment-7d9f8c6b5-{o:06}"),
+        ifname: "net1".into(),
+        poduid: format!("5f0c6a2e-1d3b-4c1e-9a4f-{o:012}"),
+        ipamclaimref: String::new(),
+    };
+    // Fill to just under the budget, then pad with one entry so that the new ADD's entry is one
+    // byte too many.
+    let pool_bytes = || async {
+        store
+            .get_pool("10.128.0.0-16")
+            .await
+            .unwrap()
+            .map_or(0, |p| p.stored_bytes())
+    };
+    let mut offset = 1;
+    // In batches while far from the budget (each read of the pool counts every entry).
+    while pool_bytes().await + 600 * entry_bytes(offset, &filler(offset)) < POOL_OBJECT_BUDGET {
+        for _ in 0..500 {
+            store.put_entry("10.128.0.0-16", "10.128.0.0/16", offset, filler(offset));
+            offset += 1;
+        }
+    }
+    while pool_bytes().await + 2 * entry_bytes(offset, &filler(offset)) < POOL_OBJECT_BUDGET {
+        store.put_entry("10.128.0.0-16", "10.128.0.0/16", offset, filler(offset));
+        offset += 1;
+    }
+    let new_entry = IPAllocation {
+        id: "c-new".into(),
+        podref: "ns/new".into(),
+        ifname: "net1".into(),
+        poduid: "uid-new".into(),
+        ipamclaimref: String::new(),
+    };
+    // The plugin counts the widest offset of the range (65,536 addresses) for the new entry.
+    let room = POOL_OBJECT_BUDGET - pool_bytes().await - entry_bytes(65_536, &new_entry) + 1;
+    let mut pad = IPAllocation {
+        podref: "ns/pad".into(),
+        ..Default::default()
+    };
+    pad.id = "p".repeat(room - entry_bytes(offset, &pad));
+    store.put_entry("10.128.0.0-16", "10.128.0.0/16", offset, pad);
+    assert_eq!(
+        pool_bytes().await + entry_bytes(65_536, &new_entry),
+        POOL_OBJECT_BUDGET + 1
+    );
+    offset
+}
+
+/// A pool whose object is at the API server's size limit refuses the next ADD for good (code
+/// 100, naming the pool, its entries and what to do), and nothing is written; DEL still works,
+/// and frees room again.
+#[tokio::test]
+async fn an_add_that_would_outgrow_the_pool_object_is_refused_for_good() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.128.0.0/16"});
+    let offset = fill_pool_object(&store).await;
+    let before = store.get_pool("10.128.0.0-16").await.unwrap().unwrap();
+    let e = run(&store, Command::Add, &ipam, "c-new", "new")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, code::EXHAUSTED, "{e:?}");
+    assert!(
+        e.msg
+            .contains("pool 10.128.0.0-16 cannot hold another entry")
+            && e.msg.contains(&format!("its {offset} entries"))
+            && e.msg.contains("split the range"),
+        "{}",
+        e.msg
+    );
+    let after = store.get_pool("10.128.0.0-16").await.unwrap().unwrap();
+    assert_eq!(after.allocations, before.allocations, "nothing written");
+    assert!(store.reservation_names().is_empty(), "no claim left behind");
+    // A DEL of one filler frees room: the ADD then succeeds.
+    let victim = before.allocations[&1].id.clone();
+    let del_req = json!({"type": "whereabouts", "range": "10.128.0.0/16"});
+    let del = request(Command::Del, del_req, &victim, "x").unwrap();
+    handle(&store, &del).await.unwrap();
+    run(&store, Command::Add, &ipam, "c-new", "new")
+        .await
+        .unwrap();
+}
+
+/// The node agent's group path refuses the same ADD the same way.
+#[tokio::test]
+async fn a_batched_add_that_would_outgrow_the_pool_object_is_refused_for_good() {
+    use whereabouts::agent::batch::Batcher;
+    let store = Arc::new(MemoryStore::new());
+    let batcher = Batcher::new(store.clone());
+    let entries = fill_pool_object(&store).await;
+    let ipam = json!({"type": "whereabouts", "range": "10.128.0.0/16"});
+    let req = request(Command::Add, ipam, "c-new", "new").unwrap();
+    let e = whereabouts::cni::handle_with(&*store, &batcher, &req)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, code::EXHAUSTED, "{e:?}");
+    assert!(
+        e.msg.contains(&format!("its {entries} entries")),
+        "{}",
+        e.msg
+    );
+    let pool = store.get_pool("10.128.0.0-16").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.len() as u128, entries);
+}

@@ -335,3 +335,31 @@ fn agent_socket_defaults_turns_off_and_must_be_absolute() {
         ]
     );
 }
+
+#[test]
+fn a_window_larger_than_one_pool_object_holds_is_warned_about() {
+    let w = warnings(json!({"type": "whereabouts", "range": "10.0.0.0/16"}));
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].starts_with("ipam.range \"10.0.0.0/16\" has 65534 allocatable addresses, but one IPPool object records about 7727")
+            && w[0].contains("etcd's 1.5 MiB request limit")
+            && w[0].contains("node slices"),
+        "{}",
+        w[0]
+    );
+    // The window decides, not the CIDR; a /20 fits (a /19 does not); IPv6 /64s are not meant
+    // to be filled.
+    let narrowed = json!({"type": "whereabouts", "range": "10.0.0.0/16",
+                          "range_start": "10.0.0.1", "range_end": "10.0.15.255"});
+    assert_eq!(warnings(narrowed), Vec::<String>::new());
+    assert_eq!(
+        warnings(json!({"type": "whereabouts", "range": "10.0.0.0/20"})),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        warnings(json!({"type": "whereabouts", "range": "fd00::/64"})),
+        Vec::<String>::new()
+    );
+    // Still a warning only: the config is valid.
+    assert!(errors(json!({"type": "whereabouts", "range": "10.0.0.0/8"})).is_empty());
+}

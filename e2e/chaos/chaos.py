@@ -151,6 +151,7 @@ class Fleet:
         out = open(self.work / "agent.log", "ab")
         self.agent = subprocess.Popen(
             [str(self.args.operator), "agent", "--socket", str(self.socket),
+             "--admin-addr", "127.0.0.1:0",
              "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig)],
             stdout=out, stderr=out, env={**os.environ, "RUST_LOG": "info"})
         out.close()

@@ -50,7 +50,8 @@ class Kube:
         conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx,
                                            timeout=self.timeout)
         try:
-            headers = {"Accept": "application/json"}
+            # The API server records managedFields only for a named field manager (user agent).
+            headers = {"Accept": "application/json", "User-Agent": "whereabouts-e2e"}
             data = None
             if body is not None:
                 data = json.dumps(body).encode()

@@ -31,7 +31,7 @@ use thiserror::Error;
 
 use super::protocol::Attachment;
 use crate::config::RangeConfig;
-use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec, size};
 use crate::ipam::naming::reservation_name;
 use crate::store::{
     Pool, PoolChanges, PoolWrite, Store, StoreError, TURN_SECONDS, TurnAttempt, Write,
@@ -51,6 +51,16 @@ pub enum AllocError {
         last: IpAddr,
         excludes: String,
         size: u128,
+    },
+    /// One more entry would grow the pool's object past what the API server can store.
+    #[error(
+        "pool {pool} cannot hold another entry: its {entries} entries take about {bytes} bytes, and an IPPool object must stay under {budget} bytes (etcd's request limit, 1.5 MiB by default, less room for metadata); split the range into smaller ranges (one NAD each, or range_start/range_end windows) or use node slices (docs/reliability.md, Limits)"
+    )]
+    PoolFull {
+        pool: String,
+        entries: usize,
+        bytes: usize,
+        budget: usize,
     },
     #[error("pool {pool}: gave up after {attempts} lost races for an address")]
     TooManyConflicts { pool: String, attempts: u32 },
@@ -188,6 +198,9 @@ pub async fn allocate<S: Store>(
                 let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
                 taken.extend(&skip);
                 taken.extend(pending.iter().map(|p| p.offset));
+                if let Some(full) = object_full(range, &pool, &who.entry(), pending.len() + 1) {
+                    return Err(full);
+                }
                 let spread = races + contenders_hint(pending.len());
                 let Some(offset) = range.range.pick(&taken, spread, |n| fastrand::usize(..n))
                 else {
@@ -784,6 +797,24 @@ pub(super) async fn ensure_pool<S: Store>(
             object: format!("ippool {}", range.pool_name),
             message: "created but not readable".into(),
         })
+}
+
+/// `Some(error)` when `count` more entries like `entry` would not fit in the pool's object.
+pub(super) fn object_full(
+    range: &RangeConfig,
+    pool: &Pool,
+    entry: &IPAllocation,
+    count: usize,
+) -> Option<AllocError> {
+    let bytes = pool.stored_bytes();
+    // The offset is not picked yet: count the widest one the range has.
+    let more = count * size::entry_bytes(range.range.size(), entry);
+    (bytes + more > size::POOL_OBJECT_BUDGET).then(|| AllocError::PoolFull {
+        pool: pool.name.clone(),
+        entries: pool.allocations.len(),
+        bytes,
+        budget: size::POOL_OBJECT_BUDGET,
+    })
 }
 
 pub(super) fn exhausted(range: &RangeConfig) -> AllocError {

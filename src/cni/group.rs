@@ -19,7 +19,7 @@ use futures::StreamExt;
 
 use super::allocate::{
     AllocError, Allocated, Claim, Scope, allocate, claim, ensure_pool, exhausted, jitter,
-    pending_claims, remove_entries, reservation_of, same_owner, unclaim,
+    object_full, pending_claims, remove_entries, reservation_of, same_owner, unclaim,
 };
 use super::protocol::Attachment;
 use crate::config::RangeConfig;
@@ -291,8 +291,14 @@ async fn claim_open<S: Store>(
         .map(|s| (s.job.who.podref.clone(), s.job.who.ifname.clone()))
         .collect();
     let mut picked = Vec::new();
+    // Entries this group will add, the pending claims' included: the pool object must hold them.
+    let mut adding = pending.len();
     for (i, slot) in slots.iter_mut().enumerate() {
         if !matches!(slot.state, State::Open) {
+            continue;
+        }
+        if let Some(full) = object_full(range, pool, &slot.job.who.entry(), adding + 1) {
+            slot.state = State::Finished(Err(full));
             continue;
         }
         // An unrecorded claim of an earlier attempt of this attachment: the one-by-one path
@@ -311,6 +317,7 @@ async fn claim_open<S: Store>(
         {
             Some(offset) => {
                 taken.insert(offset);
+                adding += 1;
                 picked.push((i, offset));
             }
             None => slot.state = State::Finished(Err(exhausted(&slot.job.range))),

@@ -381,7 +381,16 @@ fn static_addresses(req: &Request) -> Vec<IpResult> {
 
 fn alloc_error(e: AllocError) -> CniError {
     match &e {
-        AllocError::Exhausted { .. } => CniError::new(code::EXHAUSTED, e.to_string()),
+        AllocError::Exhausted { .. } | AllocError::PoolFull { .. } => {
+            CniError::new(code::EXHAUSTED, e.to_string())
+        }
+        // Defence in depth: the estimate missed (metadata larger than allowed for), and etcd
+        // refused the write. Retrying cannot help.
+        AllocError::Store(s) if s.is_too_large() => CniError::new(
+            code::EXHAUSTED,
+            format!("datastore: {s}: the pool has grown past the largest object the API server can store; split the range into smaller ranges or use node slices (docs/reliability.md, Limits)"),
+        )
+        .with_details(s.kind()),
         AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
             CniError::new(code::TRY_AGAIN_LATER, e.to_string())
         }

@@ -741,10 +741,29 @@ fn warnings(
             ));
         }
     }
+    w.extend(ranges.iter().filter_map(pool_object_warning));
     if let Some(gw) = gateway {
         w.extend(gateway_warnings(prefix, gw, ranges));
     }
     w
+}
+
+/// A window with more addresses than one IPPool object can record: the pool stops taking ADDs
+/// long before the range is used up. Windows beyond 2^32 addresses (IPv6 /64s and the like) are
+/// sized by convention, not to be filled, and get no warning.
+fn pool_object_warning(range: &RangeConfig) -> Option<Problem> {
+    let addresses = range.range.free_count(&BTreeSet::new());
+    let capacity = crate::crd::size::typical_capacity();
+    (addresses > capacity as u128 && addresses <= 1 << 32).then(|| {
+        Problem::with_value(
+            range.path.clone(),
+            range.range.cidr(),
+            format!(
+                "has {addresses} allocatable addresses, but one IPPool object records about {capacity} (at ~{} bytes an entry under etcd's 1.5 MiB request limit): once that full, ADDs fail with \"cannot hold another entry\"; use smaller ranges (several NADs, or range_start/range_end windows) or node slices",
+                crate::crd::size::typical_entry_bytes()
+            ),
+        )
+    })
 }
 
 fn gateway_warnings(prefix: &str, gw: IpAddr, ranges: &[RangeConfig]) -> Option<Problem> {

@@ -84,7 +84,7 @@ fn gauge(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
     GaugeVec::new(Opts::new(name, help), labels).expect("valid metric")
 }
 
-fn families() -> [GaugeVec; 5] {
+fn families() -> [GaugeVec; 7] {
     [
         gauge(
             "whereabouts_pool_size_addresses",
@@ -99,6 +99,16 @@ fn families() -> [GaugeVec; 5] {
         gauge(
             "whereabouts_pool_free_addresses",
             "Free addresses of the pool.",
+            &["pool", "range"],
+        ),
+        gauge(
+            "whereabouts_pool_object_bytes",
+            "Estimated size of the pool's IPPool object as stored; writes fail beyond the budget.",
+            &["pool", "range"],
+        ),
+        gauge(
+            "whereabouts_pool_object_budget_bytes",
+            "The largest IPPool object an ADD grows (etcd's request limit less room for metadata).",
             &["pool", "range"],
         ),
         gauge(
@@ -138,7 +148,15 @@ impl Collector for UsageCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        let [size, allocated, free, net_size, net_allocated] = families();
+        let [
+            size,
+            allocated,
+            free,
+            bytes,
+            budget,
+            net_size,
+            net_allocated,
+        ] = families();
         let pools: Vec<PoolView> = self
             .pools
             .state()
@@ -151,6 +169,13 @@ impl Collector for UsageCollector {
             size.with_label_values(&labels).set(u.size as f64);
             allocated.with_label_values(&labels).set(u.allocated as f64);
             free.with_label_values(&labels).set(u.free() as f64);
+            let range: &str = &labels[1];
+            bytes
+                .with_label_values(&labels)
+                .set(crate::crd::size::pool_bytes(range, &p.entries) as f64);
+            budget
+                .with_label_values(&labels)
+                .set(crate::crd::size::POOL_OBJECT_BUDGET as f64);
         }
         for (network, range, u) in network_usage(&self.nads.state(), &pools) {
             net_size
@@ -160,10 +185,18 @@ impl Collector for UsageCollector {
                 .with_label_values(&[network.as_str(), &range])
                 .set(u.allocated as f64);
         }
-        [size, allocated, free, net_size, net_allocated]
-            .iter()
-            .flat_map(|g| g.collect())
-            .collect()
+        [
+            size,
+            allocated,
+            free,
+            bytes,
+            budget,
+            net_size,
+            net_allocated,
+        ]
+        .iter()
+        .flat_map(|g| g.collect())
+        .collect()
     }
 }
 

@@ -103,6 +103,8 @@ where
 
 fn transient(e: &kube::Error) -> bool {
     match e {
+        // etcd refusing an object over its size limit is a 500 that no retry changes.
+        kube::Error::Api(status) if status.message.contains(super::TOO_LARGE) => false,
         kube::Error::Api(status) => matches!(status.code, 429 | 500 | 502 | 503 | 504),
         kube::Error::HyperError(_) | kube::Error::Service(_) => true,
         _ => false,

@@ -38,6 +38,11 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// The pool's estimated size as stored (see [`crate::crd::size`]).
+    pub fn stored_bytes(&self) -> usize {
+        crate::crd::size::pool_bytes(&self.range, &self.allocations)
+    }
+
     /// Parses the stored keys. Keys that are not decimal offsets are kept out of the map (and so
     /// never touched) but reported, since they may be a newer upstream format.
     pub fn from_stored(
@@ -222,6 +227,12 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True for etcd's refusal of a write over its request limit (a pool grown too big): the
+    /// same write will never succeed.
+    pub fn is_too_large(&self) -> bool {
+        matches!(self, StoreError::Api { message, .. } if message.contains(TOO_LARGE))
+    }
+
     /// A short stable label for metrics and logs.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -232,6 +243,9 @@ impl StoreError {
         }
     }
 }
+
+/// What the API server says when etcd refuses a write over its request limit.
+pub const TOO_LARGE: &str = "request is too large";
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
