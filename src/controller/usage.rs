@@ -169,7 +169,7 @@ impl Collector for UsageCollector {
             size.with_label_values(&labels).set(u.size as f64);
             allocated.with_label_values(&labels).set(u.allocated as f64);
             free.with_label_values(&labels).set(u.free() as f64);
-            let range: &str = &labels[1];
+            let range = labels[1];
             bytes
                 .with_label_values(&labels)
                 .set(crate::crd::size::pool_bytes(range, &p.entries) as f64);
