@@ -278,3 +278,77 @@ fn gc_releases_gone_pods_only() {
         .collect();
     assert_eq!(left, ["c-live"]);
 }
+
+/// A pool grown to the largest object the API server stores (filled here with one write of
+/// realistic entries) refuses the next ADD at once with code 100 naming the pool, instead of
+/// failing every ADD with "try again later" after etcd's "request is too large"; DEL still works.
+#[test]
+fn a_full_pool_object_refuses_the_add_for_good() {
+    use whereabouts::crd::IPAllocation;
+    use whereabouts::crd::size::{POOL_OBJECT_BUDGET, entry_bytes, pool_bytes};
+    let ns = Ns::new("pool-full");
+    let range = "10.140.0.0/16";
+    let entry = |o: u128| IPAllocation {
+        id: format!("{o:064x}"),
+        podref: format!("{}/app-deployment-7d9f8c6b5-{o:06}", ns.name),
+        ifname: "net1".into(),
+        poduid: format!("5f0c6a2e-1d3b-4c1e-9a4f-{o:012}"),
+        ipamclaimref: String::new(),
+    };
+    let mut entries = BTreeMap::new();
+    let mut o = 1;
+    while pool_bytes(range, &entries) + 2 * entry_bytes(o, &entry(o)) < POOL_OBJECT_BUDGET {
+        entries.insert(o, entry(o));
+        o += 1;
+    }
+    // Pad with one entry so that the new ADD's entry (counted at the range's widest offset) is
+    // one byte too many.
+    let new_entry = IPAllocation {
+        id: "c-new".into(),
+        podref: format!("{}/new", ns.name),
+        ifname: "net1".into(),
+        poduid: "uid-new".into(),
+        ipamclaimref: String::new(),
+    };
+    let room =
+        POOL_OBJECT_BUDGET - pool_bytes(range, &entries) - entry_bytes(65_536, &new_entry) + 1;
+    let mut pad = IPAllocation {
+        podref: format!("{}/pad", ns.name),
+        ..Default::default()
+    };
+    pad.id = "p".repeat(room - entry_bytes(o, &pad));
+    entries.insert(o, pad);
+    assert_eq!(
+        pool_bytes(range, &entries) + entry_bytes(65_536, &new_entry),
+        POOL_OBJECT_BUDGET + 1
+    );
+    let stored: BTreeMap<String, &IPAllocation> =
+        entries.iter().map(|(o, e)| (o.to_string(), e)).collect();
+    let pool = json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool",
+        "metadata": {"name": "10.140.0.0-16", "namespace": ns.name},
+        "spec": {"range": range, "allocations": stored}});
+    // `create`, not `apply`: apply would store the whole object again in an annotation.
+    let out = ns.kubectl(&["create", "-f", "-"], Some(&pool.to_string()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let conf = ns.netconf("1.0.0", json!({"range": range}));
+    let add = ns.cni("ADD", &conf, "c-new", "net1", "new", "uid-new");
+    assert!(!add.ok);
+    assert_eq!(add.stdout["code"], 100, "{}", add.stdout);
+    let msg = add.stdout["msg"].as_str().unwrap();
+    assert!(
+        msg.contains("pool 10.140.0.0-16 cannot hold another entry")
+            && msg.contains(&format!("its {} entries", entries.len())),
+        "{msg}"
+    );
+    assert_eq!(ns.allocations("10.140.0.0-16").len(), entries.len());
+    assert!(ns.reservations().is_empty(), "no claim left behind");
+    // DEL of an existing entry's container works on the full pool, and makes room.
+    let first = entry(1);
+    let del = ns.cni("DEL", &conf, &first.id, "net1", "app", &first.poduid);
+    assert!(del.ok, "{} {}", del.stdout, del.stderr);
+    assert_eq!(ns.allocations("10.140.0.0-16").len(), entries.len() - 1);
+}
