@@ -421,7 +421,7 @@ cmd_restart() {
   take_lock
   # shellcheck disable=SC1091 # written by `up`
   source "$STATE_DIR/cluster.env"
-  if [[ "$how" == --crash ]]; then kill_one "$name"; else stop_one "$name"; fi
+  if [[ "$how" == --crash ]]; then stop_one "$name" KILL; else stop_one "$name"; fi
   "start_${name//-/_}"
   log "$name restarted (pid $(pid_of "$name"))"
 }

@@ -36,13 +36,16 @@ components_running() {
   done
 }
 
-# Stops NAME by its pid file: SIGTERM, up to 20 s, then SIGKILL.
+# stop_one NAME [KILL]: stops NAME by its pid file: SIGTERM, up to 20 s, then SIGKILL; with KILL,
+# SIGKILL at once (a crash: no graceful shutdown). Returns once no thread of it is left.
 stop_one() {
-  local name="$1" pid waited=0
+  local name="$1" signal="${2:-TERM}" pid waited=0
   pid="$(pid_of "$name")"
   if [[ -n "$pid" ]] && is_our_process "$pid" "$name"; then
-    log "stopping $name (pid $pid)"
-    kill -TERM "$pid" 2>/dev/null || true
+    log "stopping $name (pid $pid, SIG$signal)"
+    kill "-$signal" "$pid" 2>/dev/null || true
+    # A multi-threaded process shows as a zombie as soon as its main thread is gone, while other
+    # threads may still hold its sockets: wait until no thread is left.
     while is_our_process "$pid" "$name" || threads_left "$pid"; do
       if ((waited == 200)); then
         log "$name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL"
@@ -64,24 +67,6 @@ threads_left() {
     [[ "$(awk '{print $3}' "$t" 2>/dev/null)" == Z ]] || return 0
   done
   return 1
-}
-
-# Kills NAME by its pid file with SIGKILL (a crash: no graceful shutdown) and waits until it is gone.
-kill_one() {
-  local name="$1" pid waited=0
-  pid="$(pid_of "$name")"
-  if [[ -n "$pid" ]] && is_our_process "$pid" "$name"; then
-    log "killing $name (pid $pid, SIGKILL)"
-    kill -KILL "$pid" 2>/dev/null || true
-    # A killed multi-threaded process shows as a zombie as soon as its main thread is gone, while
-    # other threads may still hold its sockets: wait until no thread is left.
-    while is_our_process "$pid" "$name" || threads_left "$pid"; do
-      ((waited < 100)) || die "$name (pid $pid) did not exit after SIGKILL"
-      sleep 0.1
-      waited=$((waited + 1))
-    done
-  fi
-  rm -f "$PROC_DIR/$name.pid"
 }
 
 # start NAME ARGS...: runs NAME's executable detached: its own session (a Ctrl-C or hangup of the
