@@ -89,12 +89,7 @@ impl<S: Store + 'static> Agent<S> {
             Ok(_permit) => match (self.caller(&stream), request) {
                 (Some(direct), _) => direct,
                 (None, Ok(request)) => self.run(request).await,
-                // The plugin only sends what it built itself: a request this agent cannot read
-                // comes from another version of the plugin (an upgrade in progress), which then
-                // runs it itself.
-                (None, Err(e)) => AgentReply::Direct {
-                    reason: format!("the agent cannot read the request: {}", e.msg),
-                },
+                (None, Err(e)) => unreadable(&e),
             },
             Err(_) => AgentReply::Direct {
                 reason: "agent busy".into(),
@@ -154,6 +149,22 @@ impl<S: Store + 'static> Agent<S> {
     }
 }
 
+/// The answer to a request this agent cannot read. The plugin only sends what it built itself:
+/// such a request comes from another version of the plugin (an upgrade in progress), which then
+/// runs it itself.
+fn unreadable(e: &CniError) -> AgentReply {
+    AgentReply::Direct {
+        reason: format!("the agent cannot read the request: {}", e.msg),
+    }
+}
+
+/// What the agent makes of the bytes a plugin sent, before it runs anything: exactly what a
+/// connection from a served caller does with them ([`decode`], then [`load`]). `Err` is the reply
+/// the plugin gets. Public for the fuzz targets (`fuzz/`), which feed it arbitrary bytes.
+pub fn parse_request(bytes: &[u8]) -> Result<cni::Request, AgentReply> {
+    load(decode(bytes).map_err(|e| unreadable(&e))?)
+}
+
 /// Validates a request as the plugin does; VERSION is answered at once.
 fn load(request: AgentRequest) -> Result<cni::Request, AgentReply> {
     let env = |k: &str| request.env.get(k).cloned();
@@ -193,13 +204,18 @@ async fn read_request(stream: &mut UnixStream) -> Result<AgentRequest, CniError>
             ));
         }
     }
+    decode(&buf)
+}
+
+/// A request as the plugin wrote it: bounded, JSON, no unknown fields.
+fn decode(buf: &[u8]) -> Result<AgentRequest, CniError> {
     if buf.len() > MAX_REQUEST_BYTES {
         return Err(CniError::new(
             code::DECODE,
             format!("agent request is larger than {MAX_REQUEST_BYTES} bytes"),
         ));
     }
-    serde_json::from_slice(&buf)
+    serde_json::from_slice(buf)
         .map_err(|e| CniError::new(code::DECODE, format!("agent request: {e}")))
 }
 
