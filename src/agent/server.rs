@@ -262,3 +262,38 @@ pub fn unbind(path: &Path) {
         tracing::warn!(path = %path.display(), error = %e, "could not remove the socket");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the agent answers for bytes, before running anything: unreadable bytes go back to the
+    /// plugin, VERSION is answered, a bad request is the plugin's CNI error.
+    #[test]
+    fn parse_request_answers_as_a_connection_does() {
+        let unreadable = parse_request(b"{\"env\":{},\"stdin\":\"\",\"extra\":1}").unwrap_err();
+        let AgentReply::Direct { reason } = unreadable else {
+            panic!("{unreadable:?}");
+        };
+        assert!(
+            reason.starts_with(
+                "the agent cannot read the request: agent request: unknown field `extra`"
+            ),
+            "{reason}"
+        );
+        let version =
+            parse_request(br#"{"env":{"CNI_COMMAND":"VERSION"},"stdin":"","flatFile":null}"#);
+        assert_eq!(
+            version.unwrap_err(),
+            AgentReply::Done {
+                output: Some(cni::protocol::version_reply())
+            }
+        );
+        let bad = parse_request(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{","flatFile":null}"#);
+        let AgentReply::Failed { code: c, msg, .. } = bad.unwrap_err() else {
+            panic!("not a CNI error");
+        };
+        assert_eq!(c, code::DECODE);
+        assert!(msg.starts_with("network config is not valid JSON"), "{msg}");
+    }
+}
