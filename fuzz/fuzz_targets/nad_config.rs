@@ -25,11 +25,11 @@ fuzz_target!(|data: &[u8]| {
     assert_well_formed(&check);
     assert_validator_agrees(config, &check);
     assert_offline_agrees(config, &check);
-    if let Some(Ok(yaml)) = p.get(1).map(|y| std::str::from_utf8(y)) {
-        if let Ok(nads) = check_text("fuzz.yaml", yaml) {
-            for f in findings(&nads) {
-                assert!(!f.message.is_empty() && !f.path.is_empty());
-            }
+    if let Some(Ok(yaml)) = p.get(1).map(|y| std::str::from_utf8(y))
+        && let Ok(nads) = check_text("fuzz.yaml", yaml)
+    {
+        for f in findings(&nads) {
+            assert!(!f.message.is_empty() && !f.path.is_empty());
         }
     }
 });
