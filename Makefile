@@ -1,9 +1,9 @@
 # One task file for people and CI. `make test` is the README's test command; .ci/run calls it.
-.PHONY: test check unit e2e node chaos chaos-smoke images crds deps build release demo
+.PHONY: test check unit e2e node chaos chaos-smoke images crds deps build release demo fuzz fuzz-build fuzz-smoke
 
 CARGO ?= cargo
 
-test: check unit e2e node chaos-smoke
+test: check unit e2e node chaos-smoke fuzz-smoke
 
 # Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
 check:
@@ -57,3 +57,33 @@ deps:
 	e2e/install-deps.sh
 	rustup component add clippy rustfmt
 	rustup target add x86_64-unknown-linux-musl
+	rustup toolchain install nightly --profile minimal
+	$(FUZZ) --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked
+
+# Coverage-guided fuzzing of every input (cargo-fuzz, nightly; fuzz/, docs/reliability.md
+# "Fuzzing"). One target at a time, one process each: the machine is shared.
+FUZZ ?= cargo +nightly fuzz
+FUZZ_TARGETS := cni_config flat_file nad_config admission_review agent_request
+FUZZ_SECONDS ?= 300
+FUZZ_SMOKE_SECONDS ?= 20
+# An input running over 10 s is a hang, a process over 2 GiB a memory blow-up: both are findings.
+FUZZ_FLAGS = -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
+
+fuzz-build:
+	$(FUZZ) build
+
+# Each target for FUZZ_SECONDS. New inputs go to fuzz/corpus-grown/<target> (not committed); the
+# seeds in fuzz/corpus/<target> are read only.
+fuzz: fuzz-build
+	set -e; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus-grown/$$t; \
+	  $(FUZZ) run $$t fuzz/corpus-grown/$$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) $(FUZZ_FLAGS); \
+	done
+
+# Each target for FUZZ_SMOKE_SECONDS on a throwaway copy of its seeds (CI never grows the corpus).
+fuzz-smoke: fuzz-build
+	set -e; for t in $(FUZZ_TARGETS); do \
+	  rm -rf fuzz/target/smoke-corpus/$$t; mkdir -p fuzz/target/smoke-corpus; \
+	  cp -r fuzz/corpus/$$t fuzz/target/smoke-corpus/$$t; \
+	  $(FUZZ) run $$t fuzz/target/smoke-corpus/$$t -- -max_total_time=$(FUZZ_SMOKE_SECONDS) $(FUZZ_FLAGS); \
+	done

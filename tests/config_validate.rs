@@ -334,6 +334,16 @@ fn agent_socket_defaults_turns_off_and_must_be_absolute() {
             "ipam.agent_socket is node configuration, read from the flat file only: ignored in a network config"
         ]
     );
+    // Whatever its value: the plugin ignores it, so the validator must not refuse it.
+    for value in [json!("run/agent.sock"), json!(7)] {
+        let nad = validate_ipam(
+            &json!({"range": "10.0.0.0/24", "agent_socket": value}),
+            "ipam",
+            Source::Nad,
+        );
+        assert!(nad.errors.is_empty(), "{:?}", nad.errors);
+        assert_eq!(nad.warnings.len(), 1);
+    }
 }
 
 #[test]

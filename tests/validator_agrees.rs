@@ -234,6 +234,7 @@ fn mutated() -> impl Strategy<Value = Value> {
         "dns",
         "log_level",
         "log_file",
+        "agent_socket",
         "cniVersion",
     ]);
     (config(), keys, prop::option::of(garbage())).prop_map(|(mut c, key, value)| {

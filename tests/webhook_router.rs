@@ -318,6 +318,16 @@ async fn malformed_requests_get_a_4xx_with_a_message() {
     )
     .await;
     rejected(fixture("malformed-no-object"), bad, "has no object").await;
+    // Invalid UTF-8 in a field the webhook does not read: still not JSON (fuzz/admission_review).
+    let mut body = fixture("valid-single");
+    let at = body.windows(8).position(|w| w == b"username").unwrap();
+    body[at + 4] = 0xff;
+    rejected(
+        body,
+        bad,
+        "request body is not an AdmissionReview in JSON: not UTF-8: invalid utf-8 sequence",
+    )
+    .await;
 }
 
 #[tokio::test]

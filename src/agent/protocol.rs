@@ -101,6 +101,17 @@ mod tests {
         assert_eq!(reply, r#"{"direct":{"reason":"x"}}"#);
     }
 
+    /// A number of the flat file reaches the agent as the plugin read it: an integer too large
+    /// for u64 is a float, which changed in its last digit on the wire (fuzz/agent_request).
+    #[test]
+    fn numbers_survive_the_wire() {
+        let conf: Map<String, Value> =
+            serde_json::from_str(r#"{"kuberna": 55550555001362967828, "x": 0.1}"#).unwrap();
+        let req = AgentRequest::new([], "{}", Some(("/f".into(), conf)));
+        let text = serde_json::to_string(&req).unwrap();
+        assert_eq!(serde_json::from_str::<AgentRequest>(&text).unwrap(), req);
+    }
+
     #[test]
     fn unknown_fields_are_refused() {
         let bad = r#"{"env":{},"stdin":"","flatFile":null,"extra":1}"#;

@@ -153,13 +153,10 @@ impl<S: Store + 'static> Agent<S> {
             Ok(_permit) => match (self.caller(&stream), request) {
                 (Some(direct), _) => direct,
                 (None, Ok(request)) => self.run(request).await,
-                // The plugin only sends what it built itself: a request this agent cannot read
-                // comes from another version of the plugin (an upgrade in progress), which then
-                // runs it itself.
-                (None, Err(e)) => hand_back(
-                    HandBack::UnreadableRequest,
-                    format!("the agent cannot read the request: {}", e.msg),
-                ),
+                (None, Err(e)) => {
+                    metrics::record_handback(HandBack::UnreadableRequest.label());
+                    unreadable(&e)
+                }
             },
             Err(_) => hand_back(
                 HandBack::Busy,
@@ -258,6 +255,22 @@ fn command_label(request: &AgentRequest) -> &'static str {
     }
 }
 
+/// The answer to a request this agent cannot read. The plugin only sends what it built itself:
+/// such a request comes from another version of the plugin (an upgrade in progress), which then
+/// runs it itself.
+fn unreadable(e: &CniError) -> AgentReply {
+    AgentReply::Direct {
+        reason: format!("the agent cannot read the request: {}", e.msg),
+    }
+}
+
+/// What the agent makes of the bytes a plugin sent, before it runs anything: exactly what a
+/// connection from a served caller does with them ([`decode`], then [`load`]). `Err` is the reply
+/// the plugin gets. Public for the fuzz targets (`fuzz/`), which feed it arbitrary bytes.
+pub fn parse_request(bytes: &[u8]) -> Result<cni::Request, AgentReply> {
+    load(decode(bytes).map_err(|e| unreadable(&e))?)
+}
+
 /// Validates a request as the plugin does; VERSION is answered at once.
 fn load(request: AgentRequest) -> Result<cni::Request, AgentReply> {
     let env = |k: &str| request.env.get(k).cloned();
@@ -297,13 +310,18 @@ async fn read_request(stream: &mut UnixStream) -> Result<AgentRequest, CniError>
             ));
         }
     }
+    decode(&buf)
+}
+
+/// A request as the plugin wrote it: bounded, JSON, no unknown fields.
+fn decode(buf: &[u8]) -> Result<AgentRequest, CniError> {
     if buf.len() > MAX_REQUEST_BYTES {
         return Err(CniError::new(
             code::DECODE,
             format!("agent request is larger than {MAX_REQUEST_BYTES} bytes"),
         ));
     }
-    serde_json::from_slice(&buf)
+    serde_json::from_slice(buf)
         .map_err(|e| CniError::new(code::DECODE, format!("agent request: {e}")))
 }
 
@@ -520,5 +538,35 @@ mod tests {
         let reply = agent.run(dual).await;
         assert!(matches!(reply, AgentReply::Done { .. }), "{reply:?}");
         assert_eq!(agent.batcher().waiting_total(), 0);
+    }
+
+    /// What the agent answers for bytes, before running anything: unreadable bytes go back to the
+    /// plugin, VERSION is answered, a bad request is the plugin's CNI error.
+    #[test]
+    fn parse_request_answers_as_a_connection_does() {
+        let unreadable = parse_request(b"{\"env\":{},\"stdin\":\"\",\"extra\":1}").unwrap_err();
+        let AgentReply::Direct { reason } = unreadable else {
+            panic!("{unreadable:?}");
+        };
+        assert!(
+            reason.starts_with(
+                "the agent cannot read the request: agent request: unknown field `extra`"
+            ),
+            "{reason}"
+        );
+        let version =
+            parse_request(br#"{"env":{"CNI_COMMAND":"VERSION"},"stdin":"","flatFile":null}"#);
+        assert_eq!(
+            version.unwrap_err(),
+            AgentReply::Done {
+                output: Some(cni::protocol::version_reply())
+            }
+        );
+        let bad = parse_request(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{","flatFile":null}"#);
+        let AgentReply::Failed { code: c, msg, .. } = bad.unwrap_err() else {
+            panic!("not a CNI error");
+        };
+        assert_eq!(c, code::DECODE);
+        assert!(msg.starts_with("network config is not valid JSON"), "{msg}");
     }
 }

@@ -3,7 +3,7 @@
 //! Everything the runtime hands us is validated here, and every failure becomes a [`CniError`]
 //! with a spec error code and a message naming the variable or field and its value.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
@@ -124,7 +124,9 @@ pub struct CniArgs {
 impl CniArgs {
     pub fn parse(text: &str) -> Result<CniArgs, CniError> {
         let bad = |msg: String| CniError::new(code::INVALID_ENV, msg);
-        let mut pairs = HashMap::new();
+        // Ordered by key, so that of two unknown keys the same one is named at every call (a
+        // HashMap named either, found by fuzz/agent_request); the last of a repeated key wins.
+        let mut pairs = BTreeMap::new();
         for part in text.split(';').filter(|p| !p.is_empty()) {
             let (k, v) = part
                 .split_once('=')
@@ -305,6 +307,20 @@ mod tests {
                 .contains("\"10.0.0.5\"")
         );
         assert_eq!(CniArgs::parse("").unwrap(), CniArgs::default());
+    }
+
+    /// The same CNI_ARGS give the same error every time: the first unknown key by name.
+    #[test]
+    fn args_errors_are_deterministic() {
+        for _ in 0..20 {
+            let e = CniArgs::parse("K8S_POD_NAME=p;ZZZ=1;AAA=2;K8S_POD_NAMESPACE=n").unwrap_err();
+            assert_eq!(
+                e.msg,
+                r#"CNI_ARGS key "AAA" is not known (set IgnoreUnknown=1 to allow it)"#
+            );
+        }
+        let last_wins = CniArgs::parse("K8S_POD_NAME=a;K8S_POD_NAME=b").unwrap();
+        assert_eq!(last_wins.pod_name, "b");
     }
 
     #[test]

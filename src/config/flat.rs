@@ -31,11 +31,14 @@ pub fn candidates(configuration_path: Option<&str>) -> Vec<PathBuf> {
 /// A flat file found on disk: where, and its ipam object.
 pub type FlatFile = (PathBuf, Map<String, Value>);
 
+/// Largest flat file read: it is a few hundred bytes of JSON.
+pub const MAX_FLAT_FILE_BYTES: u64 = 1 << 20;
+
 /// Reads the first flat file that exists. A file that exists but cannot be read or parsed is an
 /// error: silently ignoring it would lose the kubeconfig and fail later with a vaguer message.
 pub fn load(candidates: &[PathBuf]) -> Result<Option<FlatFile>, Problem> {
     for path in candidates {
-        match std::fs::read_to_string(path) {
+        match read(path) {
             Ok(text) => return parse(path, &text).map(|m| Some((path.clone(), m))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => {
@@ -48,6 +51,28 @@ pub fn load(candidates: &[PathBuf]) -> Result<Option<FlatFile>, Problem> {
         }
     }
     Ok(None)
+}
+
+/// Reads a regular file of at most [`MAX_FLAT_FILE_BYTES`]. `configuration_path` comes from the
+/// network config, which anyone who may write a NAD controls: `/dev/zero` must not exhaust the
+/// node's memory at every ADD, nor a FIFO block it (opening one waits for a writer), so anything
+/// but a regular file is refused before it is opened.
+fn read(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_FLAT_FILE_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_FLAT_FILE_BYTES {
+        return Err(std::io::Error::other(format!(
+            "larger than {MAX_FLAT_FILE_BYTES} bytes"
+        )));
+    }
+    Ok(text)
 }
 
 fn parse(path: &Path, text: &str) -> Result<Map<String, Value>, Problem> {
@@ -137,5 +162,37 @@ mod tests {
         assert!(load(&[dir.path().join("none")]).unwrap().is_none());
         assert_eq!(candidates(Some("/x"))[0], PathBuf::from("/x"));
         assert_eq!(candidates(None).len(), 3);
+    }
+
+    /// `configuration_path` is the NAD author's: a device, a FIFO or a huge file is a problem
+    /// naming the path, never an endless read or a blocked ADD.
+    #[test]
+    fn only_bounded_regular_files_are_read() {
+        let e = load(&[PathBuf::from("/dev/zero")]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"flat file "/dev/zero" cannot be read: not a regular file"#
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = load(std::slice::from_ref(&fifo)).unwrap_err();
+        assert!(e.to_string().ends_with("not a regular file"), "{e}");
+        let big = dir.path().join("big.conf");
+        let mut text = format!(
+            r#"{{"range": "10.0.0.0/24", "pad": "{}"}}"#,
+            " ".repeat(1 << 20)
+        );
+        std::fs::write(&big, &text).unwrap();
+        let e = load(std::slice::from_ref(&big)).unwrap_err();
+        assert!(e.to_string().ends_with("larger than 1048576 bytes"), "{e}");
+        text.truncate(1000);
+        text.push_str(r#""}"#);
+        std::fs::write(&big, &text).unwrap();
+        assert!(load(&[big]).unwrap().is_some());
     }
 }

@@ -173,7 +173,13 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
         .map(str::to_owned);
     let log_file = r.string("log_file").map(str::to_owned);
     let log_level = r.string("log_level").map(str::to_owned);
-    let agent_socket = read_agent_socket(&mut r);
+    // The plugin drops a network config's agent_socket (the node's flat file decides), so in a
+    // NAD its value is not judged, only pointed out below: refusing it would refuse a NAD every
+    // ADD accepts (found by fuzz/cni_config's validator-agreement property).
+    let agent_socket = match source {
+        Source::Runtime => read_agent_socket(&mut r),
+        Source::Nad => None,
+    };
     r.string("configuration_path");
     check_node_slice(&mut r, &ranges);
     if let Some(name) = &network_name {

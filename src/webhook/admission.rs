@@ -86,8 +86,12 @@ struct Gvk {
 /// The verdict on one AdmissionReview request body, as the response AdmissionReview.
 /// Answers one review; returns the operation (for metrics) and the AdmissionReview to send back.
 pub fn review(body: &[u8], nads: &NadIndex) -> Result<(String, Value), BadReview> {
+    // serde skips the fields `Review` does not name without checking their UTF-8, so a body
+    // that is not JSON at all (found by fuzz/admission_review) would otherwise get a verdict.
+    let text =
+        std::str::from_utf8(body).map_err(|e| BadReview::NotJson(format!("not UTF-8: {e}")))?;
     let review: Review =
-        serde_json::from_slice(body).map_err(|e| BadReview::NotJson(e.to_string()))?;
+        serde_json::from_str(text).map_err(|e| BadReview::NotJson(e.to_string()))?;
     if review.kind != "AdmissionReview" || review.api_version != API_VERSION {
         return Err(BadReview::WrongType {
             kind: review.kind,
