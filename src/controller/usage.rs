@@ -148,6 +148,7 @@ impl Collector for UsageCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
+        let all = families();
         let [
             size,
             allocated,
@@ -156,7 +157,7 @@ impl Collector for UsageCollector {
             budget,
             net_size,
             net_allocated,
-        ] = families();
+        ] = &all;
         let pools: Vec<PoolView> = self
             .pools
             .state()
@@ -169,10 +170,9 @@ impl Collector for UsageCollector {
             size.with_label_values(&labels).set(u.size as f64);
             allocated.with_label_values(&labels).set(u.allocated as f64);
             free.with_label_values(&labels).set(u.free() as f64);
-            let range = labels[1];
             bytes
                 .with_label_values(&labels)
-                .set(crate::crd::size::pool_bytes(range, &p.entries) as f64);
+                .set(crate::crd::size::pool_bytes(labels[1], &p.entries) as f64);
             budget
                 .with_label_values(&labels)
                 .set(crate::crd::size::POOL_OBJECT_BUDGET as f64);
@@ -185,18 +185,7 @@ impl Collector for UsageCollector {
                 .with_label_values(&[network.as_str(), &range])
                 .set(u.allocated as f64);
         }
-        [
-            size,
-            allocated,
-            free,
-            bytes,
-            budget,
-            net_size,
-            net_allocated,
-        ]
-        .iter()
-        .flat_map(|g| g.collect())
-        .collect()
+        all.iter().flat_map(|g| g.collect()).collect()
     }
 }
 
