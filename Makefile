@@ -68,6 +68,8 @@ FUZZ_SECONDS ?= 300
 FUZZ_SMOKE_SECONDS ?= 20
 # An input running over 10 s is a hang, a process over 2 GiB a memory blow-up: both are findings.
 FUZZ_FLAGS = -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
+# The flat_file target's one file per fuzzing process (it cannot clean up: libFuzzer exits).
+FUZZ_CLEANUP = trap 'rm -f /dev/shm/whereabouts-fuzz-flat-*.conf' EXIT
 
 fuzz-build:
 	$(FUZZ) build
@@ -75,14 +77,14 @@ fuzz-build:
 # Each target for FUZZ_SECONDS. New inputs go to fuzz/corpus-grown/<target> (not committed); the
 # seeds in fuzz/corpus/<target> are read only.
 fuzz: fuzz-build
-	set -e; for t in $(FUZZ_TARGETS); do \
+	set -e; $(FUZZ_CLEANUP); for t in $(FUZZ_TARGETS); do \
 	  mkdir -p fuzz/corpus-grown/$$t; \
 	  $(FUZZ) run $$t fuzz/corpus-grown/$$t fuzz/corpus/$$t -- -max_total_time=$(FUZZ_SECONDS) $(FUZZ_FLAGS); \
 	done
 
 # Each target for FUZZ_SMOKE_SECONDS on a throwaway copy of its seeds (CI never grows the corpus).
 fuzz-smoke: fuzz-build
-	set -e; for t in $(FUZZ_TARGETS); do \
+	set -e; $(FUZZ_CLEANUP); for t in $(FUZZ_TARGETS); do \
 	  rm -rf fuzz/target/smoke-corpus/$$t; mkdir -p fuzz/target/smoke-corpus; \
 	  cp -r fuzz/corpus/$$t fuzz/target/smoke-corpus/$$t; \
 	  $(FUZZ) run $$t fuzz/target/smoke-corpus/$$t -- -max_total_time=$(FUZZ_SMOKE_SECONDS) $(FUZZ_FLAGS); \
