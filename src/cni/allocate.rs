@@ -198,7 +198,8 @@ pub async fn allocate<S: Store>(
                 let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
                 taken.extend(&skip);
                 taken.extend(pending.iter().map(|p| p.offset));
-                if let Some(full) = object_full(range, &pool, &who.entry(), pending.len() + 1) {
+                let room = ObjectRoom::of(range, &pool);
+                if let Some(full) = room.full(&who.entry(), pending.len() + 1) {
                     return Err(full);
                 }
                 let spread = races + contenders_hint(pending.len());
@@ -799,22 +800,36 @@ pub(super) async fn ensure_pool<S: Store>(
         })
 }
 
-/// `Some(error)` when `count` more entries like `entry` would not fit in the pool's object.
-pub(super) fn object_full(
-    range: &RangeConfig,
-    pool: &Pool,
-    entry: &IPAllocation,
-    count: usize,
-) -> Option<AllocError> {
-    let bytes = pool.stored_bytes();
-    // The offset is not picked yet: count the widest one the range has.
-    let more = count * size::entry_bytes(range.range.size(), entry);
-    (bytes + more > size::POOL_OBJECT_BUDGET).then(|| AllocError::PoolFull {
-        pool: pool.name.clone(),
-        entries: pool.allocations.len(),
-        bytes,
-        budget: size::POOL_OBJECT_BUDGET,
-    })
+/// What one snapshot of a pool's object holds, to tell whether more entries still fit (see
+/// [`size`]). Computed once per snapshot: counting the entries costs a pass over all of them.
+pub(super) struct ObjectRoom {
+    pool: String,
+    entries: usize,
+    bytes: usize,
+    /// The widest offset of the range: an entry's offset is not known before its pick.
+    widest: u128,
+}
+
+impl ObjectRoom {
+    pub(super) fn of(range: &RangeConfig, pool: &Pool) -> Self {
+        ObjectRoom {
+            pool: pool.name.clone(),
+            entries: pool.allocations.len(),
+            bytes: pool.stored_bytes(),
+            widest: range.range.size(),
+        }
+    }
+
+    /// `Some(error)` when `count` more entries like `entry` would not fit in the pool's object.
+    pub(super) fn full(&self, entry: &IPAllocation, count: usize) -> Option<AllocError> {
+        let more = count * size::entry_bytes(self.widest, entry);
+        (self.bytes + more > size::POOL_OBJECT_BUDGET).then(|| AllocError::PoolFull {
+            pool: self.pool.clone(),
+            entries: self.entries,
+            bytes: self.bytes,
+            budget: size::POOL_OBJECT_BUDGET,
+        })
+    }
 }
 
 pub(super) fn exhausted(range: &RangeConfig) -> AllocError {

@@ -18,8 +18,8 @@ use std::collections::{BTreeSet, HashSet};
 use futures::StreamExt;
 
 use super::allocate::{
-    AllocError, Allocated, Claim, Scope, allocate, claim, ensure_pool, exhausted, jitter,
-    object_full, pending_claims, remove_entries, reservation_of, same_owner, unclaim,
+    AllocError, Allocated, Claim, ObjectRoom, Scope, allocate, claim, ensure_pool, exhausted,
+    jitter, pending_claims, remove_entries, reservation_of, same_owner, unclaim,
 };
 use super::protocol::Attachment;
 use crate::config::RangeConfig;
@@ -293,11 +293,12 @@ async fn claim_open<S: Store>(
     let mut picked = Vec::new();
     // Entries this group will add, the pending claims' included: the pool object must hold them.
     let mut adding = pending.len();
+    let room = ObjectRoom::of(range, pool);
     for (i, slot) in slots.iter_mut().enumerate() {
         if !matches!(slot.state, State::Open) {
             continue;
         }
-        if let Some(full) = object_full(range, pool, &slot.job.who.entry(), adding + 1) {
+        if let Some(full) = room.full(&slot.job.who.entry(), adding + 1) {
             slot.state = State::Finished(Err(full));
             continue;
         }
