@@ -4,10 +4,12 @@
 //! `Limits` so no test waits for a production timeout. Certificates come from
 //! webhook-certs/mint.sh (needs the openssl CLI).
 
+mod common;
+use common::mint;
+
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
@@ -21,20 +23,6 @@ use whereabouts::webhook::{self, Limits, WebhookState, tls::CertFiles};
 const SHORT: Duration = Duration::from_millis(300);
 /// How long a client waits for the server before the test calls the server stuck.
 const PATIENCE: Duration = Duration::from_secs(10);
-
-fn mint(dir: &Path) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("webhook-certs/mint.sh");
-    let out = Command::new(script)
-        .args(["--ip", "127.0.0.1", "--out"])
-        .arg(dir)
-        .output()
-        .expect("run webhook-certs/mint.sh");
-    assert!(
-        out.status.success(),
-        "mint.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn client_config(dir: &Path, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();

@@ -2,6 +2,9 @@
 //! keeps the old one serving, and a request gets its AdmissionReview back over HTTPS.
 //! Certificates come from webhook-certs/mint.sh (needs the openssl CLI).
 
+mod common;
+use common::mint;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -13,20 +16,6 @@ use std::time::{Duration, Instant};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use whereabouts::webhook::{self, WebhookState, tls::CertFiles};
-
-fn mint(dir: &Path) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("webhook-certs/mint.sh");
-    let out = Command::new(script)
-        .args(["--ip", "127.0.0.1", "--out"])
-        .arg(dir)
-        .output()
-        .expect("run webhook-certs/mint.sh");
-    assert!(
-        out.status.success(),
-        "mint.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn client_config(dir: &Path) -> Arc<rustls::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
