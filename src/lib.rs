@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod alloc;
 pub mod cli;
 pub mod cni;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod ipam;
 pub mod kubeconfig;
 pub mod metrics;
 pub mod ownership;
+pub mod retry;
 pub mod store;
 pub mod validate;
 pub mod webhook;

@@ -4,6 +4,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use serde_json::{Value, json};
+use whereabouts::alloc::Target;
 use whereabouts::cni::protocol::{CniError, Command, code};
 use whereabouts::cni::{FlatSource, Invocation, Request, handle, load};
 use whereabouts::crd::IPAllocation;
@@ -591,18 +592,23 @@ async fn legacy_result_versions() {
     }
 }
 
-// ---- The node agent's group allocation (cni::group, agent::batch) ----
+// ---- The node agent's group allocation (alloc::group, agent::batch) ----
 
-fn job(range: &whereabouts::config::RangeConfig, i: usize) -> whereabouts::cni::group::Job {
+fn job(target: &Target, i: usize) -> whereabouts::alloc::Job {
     let mut who = attachment(&format!("c{i}"), &format!("p{i}"));
     who.pod_uid = format!("uid-p{i}");
-    whereabouts::cni::group::Job::new(range, OVERLAPPING, &who)
+    whereabouts::alloc::Job::new(target, &who)
 }
 
-fn range_of(ipam: Value) -> whereabouts::config::RangeConfig {
+/// The first range of a config, as the engine's target with overlapping ranges on.
+fn range_of(ipam: Value) -> Target {
     let validated =
         whereabouts::config::validate_ipam(&ipam, "ipam", whereabouts::config::Source::Runtime);
-    validated.config.expect("valid config").ranges.remove(0)
+    let config = validated.config.expect("valid config");
+    Target {
+        overlapping: true,
+        ..whereabouts::cni::target(&config.ranges[0], &config)
+    }
 }
 
 #[tokio::test]
@@ -610,7 +616,7 @@ async fn a_group_takes_the_lowest_addresses_with_one_pool_write() {
     let store = MemoryStore::new();
     let range = range_of(json!({"range": "10.0.0.0/24"}));
     let jobs = (0..50).map(|i| job(&range, i)).collect();
-    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let results = whereabouts::alloc::group::allocate_group(&store, jobs).await;
     let ips: Vec<String> = results
         .into_iter()
         .map(|r| r.unwrap().ip.to_string())
@@ -631,7 +637,7 @@ async fn a_group_reuses_held_entries_and_reports_exhaustion_per_job() {
     assert_eq!(addresses(&first.unwrap()), ["10.0.0.10/24"]);
     let range = range_of(ipam);
     let jobs = (0..6).map(|i| job(&range, i)).collect();
-    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let results = whereabouts::alloc::group::allocate_group(&store, jobs).await;
     let shown: Vec<String> = results
         .into_iter()
         .map(|r| match r {
@@ -732,7 +738,7 @@ async fn a_group_gives_a_repeated_attachment_one_address() {
     let store = MemoryStore::new();
     let range = range_of(json!({"range": "10.0.0.0/24"}));
     let jobs = vec![job(&range, 0), job(&range, 1), job(&range, 0)];
-    let results = whereabouts::cni::group::allocate_group(&store, jobs).await;
+    let results = whereabouts::alloc::group::allocate_group(&store, jobs).await;
     let ips: Vec<String> = results
         .into_iter()
         .map(|r| r.unwrap().ip.to_string())
@@ -747,7 +753,7 @@ async fn a_group_gives_a_repeated_attachment_one_address() {
 /// since, the stale start costs a lost write, never a duplicate.
 #[tokio::test]
 async fn a_group_started_from_a_stale_pool_version_still_gives_distinct_addresses() {
-    use whereabouts::cni::group::allocate_group_from;
+    use whereabouts::alloc::group::allocate_group_from;
     let store = MemoryStore::new();
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
     let range = range_of(ipam.clone());
@@ -816,8 +822,8 @@ async fn batched_dels_release_together_and_spare_re_bound_addresses() {
     assert_eq!(format!("{}/24", store.reservation_names()[0]), kept);
 }
 
-fn attachment(container: &str, pod: &str) -> whereabouts::cni::protocol::Attachment {
-    whereabouts::cni::protocol::Attachment {
+fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Attachment {
+    whereabouts::alloc::Attachment {
         container_id: container.into(),
         ifname: "net1".into(),
         podref: format!("ns/{pod}"),
@@ -825,23 +831,18 @@ fn attachment(container: &str, pod: &str) -> whereabouts::cni::protocol::Attachm
     }
 }
 
-const OVERLAPPING: whereabouts::cni::allocate::Scope<'static> = whereabouts::cni::allocate::Scope {
-    network_name: None,
-    overlapping: true,
-};
-
 /// An ADD and then a DEL of the same interface reaching a pool's worker together (the runtime
 /// gave up on the ADD and cleans up): the DEL is not run before the ADD, so nothing is left.
 #[tokio::test]
 async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
     use whereabouts::agent::batch::Batcher;
-    use whereabouts::cni::Allocate;
+    use whereabouts::alloc::Allocate;
     let store = Arc::new(MemoryStore::new());
     let batcher = Batcher::new(store.clone());
     let range = range_of(json!({"range": "10.0.0.0/24"}));
     let who = attachment("c1", "p1");
-    let add = batcher.allocate(&store, &range, OVERLAPPING, &who);
-    let del = batcher.release(&store, &range, OVERLAPPING, &who);
+    let add = batcher.allocate(&store, &range, &who);
+    let del = batcher.release(&store, &range, &who);
     let (added, released) = tokio::join!(add, del);
     let ip = added.unwrap().ip;
     assert_eq!(
@@ -859,7 +860,7 @@ async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
 #[tokio::test]
 async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
     use whereabouts::agent::batch::Batcher;
-    use whereabouts::cni::Allocate;
+    use whereabouts::alloc::Allocate;
     let store = Arc::new(MemoryStore::new().interleaved());
     let batcher = Arc::new(Batcher::new(store.clone()));
     let range = range_of(json!({"range": "10.0.0.0/24"}));
@@ -867,7 +868,7 @@ async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
         let (store, batcher, range) = (store.clone(), batcher.clone(), range.clone());
         tokio::spawn(async move {
             let who = attachment("c1", "p1");
-            batcher.allocate(&store, &range, OVERLAPPING, &who).await
+            batcher.allocate(&store, &range, &who).await
         })
     };
     // Give up once the group is at work (it has read the pool).

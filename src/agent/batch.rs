@@ -16,11 +16,8 @@ use prometheus::proto::MetricFamily;
 use prometheus::{IntGaugeVec, Opts};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::cni::Allocate;
-use crate::cni::allocate::{AllocError, Allocated, Scope};
-use crate::cni::group::{Job, allocate_group_from, release_group};
-use crate::cni::protocol::Attachment;
-use crate::config::RangeConfig;
+use crate::alloc::group::{allocate_group_from, release_group};
+use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
 use crate::metrics::agent as metrics;
 use crate::store::{Pool, Store, StoreError};
 
@@ -55,7 +52,7 @@ enum Work {
 impl Work {
     fn pool(&self) -> &str {
         match self {
-            Work::Allocate(job, _) | Work::Release(job, _) => &job.range.pool_name,
+            Work::Allocate(job, _) | Work::Release(job, _) => &job.target.pool,
         }
     }
 
@@ -286,7 +283,7 @@ impl<S: Store + 'static> Batcher<S> {
 
     async fn submit_release(&self, job: Job, slot: Slot) -> Result<Vec<IpAddr>, StoreError> {
         let (reply, result) = oneshot::channel();
-        let pool = job.range.pool_name.clone();
+        let pool = job.target.pool.clone();
         self.send(Queued {
             work: Work::Release(job, reply),
             _slot: slot,
@@ -318,12 +315,11 @@ impl<S: Store + 'static> Allocate<S> for Batcher<S> {
     fn allocate(
         &self,
         _store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
+        target: &Target,
         who: &Attachment,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
-        let job = Job::new(range, scope, who);
-        let slot = self.admit_one(&range.pool_name);
+        let job = Job::new(target, who);
+        let slot = self.admit_one(&target.pool);
         async move {
             let slot = slot.map_err(|e| AllocError::Agent(e.to_string()))?;
             self.submit(job, slot).await
@@ -333,14 +329,13 @@ impl<S: Store + 'static> Allocate<S> for Batcher<S> {
     fn release(
         &self,
         _store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
+        target: &Target,
         who: &Attachment,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
-        let job = Job::new(range, scope, who);
-        let slot = self.admit_one(&range.pool_name);
+        let job = Job::new(target, who);
+        let slot = self.admit_one(&target.pool);
         async move {
-            let slot = slot.map_err(|e| release_failed(&job.range.pool_name, e.to_string()))?;
+            let slot = slot.map_err(|e| release_failed(&job.target.pool, e.to_string()))?;
             self.submit_release(job, slot).await
         }
     }
@@ -367,24 +362,21 @@ impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
     fn allocate(
         &self,
         _store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
+        target: &Target,
         who: &Attachment,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
-        let slot = self.slot(&range.pool_name);
-        self.batcher.submit(Job::new(range, scope, who), slot)
+        let slot = self.slot(&target.pool);
+        self.batcher.submit(Job::new(target, who), slot)
     }
 
     fn release(
         &self,
         _store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
+        target: &Target,
         who: &Attachment,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
-        let slot = self.slot(&range.pool_name);
-        self.batcher
-            .submit_release(Job::new(range, scope, who), slot)
+        let slot = self.slot(&target.pool);
+        self.batcher.submit_release(Job::new(target, who), slot)
     }
 }
 

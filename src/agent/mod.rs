@@ -3,7 +3,7 @@
 //! A CNI plugin is a process per pod interface: each ADD would open its own TLS connection to the
 //! API server and make its own pool read, claims list and pool write. The agent keeps one
 //! connection for the node and allocates the node's concurrent ADDs of a pool as one group (one
-//! read, one claims list, one write; [`crate::cni::group`]). The plugin hands its request to the
+//! read, one claims list, one write; [`crate::alloc::group`]). The plugin hands its request to the
 //! agent over a Unix socket when one listens at `agent_socket`, and runs it itself otherwise (no
 //! agent deployed, agent restarting, another kubeconfig, caller not root), so the agent is never
 //! needed for correctness, only for speed.

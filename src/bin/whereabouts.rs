@@ -98,7 +98,7 @@ fn print(output: Option<Value>) -> ExitCode {
 
 async fn run(req: &Request) -> Result<Option<Value>, CniError> {
     let store = connect(req.ipam.kubeconfig.as_deref()).await?;
-    cni::handle_within(&store, &cni::Direct, req).await
+    cni::handle_within(&store, &whereabouts::alloc::Direct, req).await
 }
 
 async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {

@@ -3,8 +3,6 @@
 //! [`load`] turns environment and stdin into a [`Request`] (every input validated, failures are
 //! CNI errors); [`handle`] runs it. The binary only wires a Kubernetes store and prints.
 
-pub mod allocate;
-pub mod group;
 pub mod protocol;
 
 use std::collections::HashSet;
@@ -13,11 +11,11 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+use crate::alloc::{AllocError, Allocate, Direct, Engine, Target};
 use crate::config::{
     IpamConfig, NetConf, RangeConfig, Source, flat, problem, result_shape_problem, validate_ipam,
 };
-use crate::store::{Store, StoreError};
-use allocate::{AllocError, Allocated, Scope, release, release_entries};
+use crate::store::Store;
 use protocol::{Attachment, CniArgs, CniError, Command, IpResult, code, render_result};
 
 /// Everything a command needs, validated.
@@ -28,6 +26,18 @@ pub struct Request {
     pub args: CniArgs,
     pub conf: NetConf,
     pub ipam: IpamConfig,
+    /// What each range's address is allocated from, in the order of `ipam.ranges`.
+    pub targets: Vec<Target>,
+}
+
+/// The engine's target of one configured range.
+pub fn target(range: &RangeConfig, ipam: &IpamConfig) -> Target {
+    Target {
+        pool: range.pool_name.clone(),
+        range: range.range.clone(),
+        network: ipam.network_name.clone(),
+        overlapping: ipam.enable_overlapping_ranges,
+    }
 }
 
 /// What the runtime passed: the environment (as a lookup) and stdin.
@@ -81,12 +91,14 @@ pub fn load(command: Command, inv: &Invocation<'_>) -> Result<Request, CniError>
         pod_uid: args.pod_uid.clone(),
     };
     require_env(command, &attachment)?;
+    let targets = ipam.ranges.iter().map(|r| target(r, &ipam)).collect();
     Ok(Request {
         command,
         attachment,
         args,
         conf,
         ipam,
+        targets,
     })
 }
 
@@ -152,53 +164,6 @@ fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
         ));
     }
     Ok(())
-}
-
-/// How an ADD claims, and a DEL releases, each range's address: by this process alone
-/// ([`Direct`]), or handed to the node agent, which claims (releases) the addresses of many ADDs
-/// (DELs) of one pool together.
-pub trait Allocate<S: Store>: Sync {
-    fn allocate(
-        &self,
-        store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
-        who: &Attachment,
-    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send;
-
-    fn release(
-        &self,
-        store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
-        who: &Attachment,
-    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send;
-}
-
-/// Each ADD claims and records its own addresses ([`allocate::allocate`]), each DEL releases its
-/// own ([`allocate::release`]).
-pub struct Direct;
-
-impl<S: Store> Allocate<S> for Direct {
-    fn allocate(
-        &self,
-        store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
-        who: &Attachment,
-    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
-        allocate::allocate(store, range, scope, who)
-    }
-
-    fn release(
-        &self,
-        store: &S,
-        range: &RangeConfig,
-        scope: Scope<'_>,
-        who: &Attachment,
-    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
-        release(store, range, scope, who)
-    }
 }
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
@@ -267,29 +232,19 @@ pub async fn handle_with<S: Store, A: Allocate<S>>(
     }
 }
 
-pub fn scope(req: &Request) -> Scope<'_> {
-    Scope {
-        network_name: req.ipam.network_name.as_deref(),
-        overlapping: req.ipam.enable_overlapping_ranges,
-    }
-}
-
 /// Allocates one address per range, in order; all or nothing.
 async fn add<S: Store, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
 ) -> Result<Value, CniError> {
-    let mut ips = Vec::with_capacity(req.ipam.ranges.len());
-    for (i, range) in req.ipam.ranges.iter().enumerate() {
-        match alloc
-            .allocate(store, range, scope(req), &req.attachment)
-            .await
-        {
+    let mut ips = Vec::with_capacity(req.targets.len());
+    for (i, target) in req.targets.iter().enumerate() {
+        match alloc.allocate(store, target, &req.attachment).await {
             Ok(a) => {
-                tracing::info!(ip = %a.ip, pool = %range.pool_name, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+                tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
                 ips.push(IpResult {
-                    address: ipnet::IpNet::new(a.ip, range.range.cidr().prefix_len())
+                    address: ipnet::IpNet::new(a.ip, target.range.cidr().prefix_len())
                         .expect("prefix of the range"),
                     gateway: gateway_for(req, a.ip),
                 });
@@ -348,12 +303,9 @@ fn check_result_shape(
 
 /// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
 async fn rollback<S: Store, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
-    for range in &req.ipam.ranges[..upto] {
-        if let Err(e) = alloc
-            .release(store, range, scope(req), &req.attachment)
-            .await
-        {
-            tracing::error!(pool = %range.pool_name, error = %e, "could not roll back a partial ADD; the audit will release it");
+    for target in &req.targets[..upto] {
+        if let Err(e) = alloc.release(store, target, &req.attachment).await {
+            tracing::error!(pool = %target.pool, error = %e, "could not roll back a partial ADD; the audit will release it");
         }
     }
 }
@@ -408,13 +360,10 @@ async fn del<S: Store, A: Allocate<S>>(
     req: &Request,
 ) -> Result<(), CniError> {
     let mut failures = Vec::new();
-    for range in &req.ipam.ranges {
-        match alloc
-            .release(store, range, scope(req), &req.attachment)
-            .await
-        {
-            Ok(ips) => tracing::info!(pool = %range.pool_name, released = ?ips, "released"),
-            Err(e) => failures.push(format!("{}: {e}", range.pool_name)),
+    for target in &req.targets {
+        match alloc.release(store, target, &req.attachment).await {
+            Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
+            Err(e) => failures.push(format!("{}: {e}", target.pool)),
         }
     }
     if failures.is_empty() {
@@ -482,8 +431,8 @@ async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
     };
     let mut pods = None;
     let mut released = 0;
-    for range in &req.ipam.ranges {
-        let Some(pool) = store.get_pool(&range.pool_name).await.map_err(retry)? else {
+    for target in &req.targets {
+        let Some(pool) = store.get_pool(&target.pool).await.map_err(retry)? else {
             continue;
         };
         let unknown: Vec<_> = pool
@@ -503,7 +452,8 @@ async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
             .into_iter()
             .filter(|(_, e)| crate::ownership::is_stale(e, pods))
             .collect();
-        released += release_entries(store, range, scope(req), &pool.name, &gone)
+        released += Engine::new(store, target)
+            .release_entries(&gone)
             .await
             .map_err(retry)?
             .len();

@@ -99,15 +99,7 @@ impl Command {
     }
 }
 
-/// Who an address is for: the attachment of one container interface of one pod.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Attachment {
-    pub container_id: String,
-    pub ifname: String,
-    /// `<namespace>/<name>`; empty when the runtime did not pass the pod (DEL may omit it).
-    pub podref: String,
-    pub pod_uid: String,
-}
+pub use crate::alloc::Attachment;
 
 /// `CNI_ARGS` (`K=V;K=V`) as whereabouts understands it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use kube::{Resource, ResourceExt};
 
 use super::Context;
 use super::pools::PoolView;
-use crate::cni::allocate::release_entries;
+use crate::alloc::Engine;
 use crate::crd::{IPAllocation, IPPool};
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
@@ -310,9 +310,10 @@ impl Auditor {
             tracing::info!(pool, ?ip, pod = %entry.podref, "dry run: would release a stale entry");
             return Ok(false);
         }
-        let (range, scope) = fresh.release_target();
-        let released =
-            release_entries(&ctx.store, &range, scope, pool, &[(*offset, entry.clone())]).await?;
+        let target = fresh.target();
+        let released = Engine::new(&ctx.store, &target)
+            .release_entries(&[(*offset, entry.clone())])
+            .await?;
         for ip in &released {
             tracing::info!(pool, %ip, pod = %entry.podref, "released a stale entry");
             ctx.pool_event(

@@ -13,7 +13,7 @@ use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
 use super::pools::{PoolView, entries_of_pod};
-use crate::cni::allocate::remove_entries;
+use crate::alloc::remove_entries;
 use crate::crd::IPAllocation;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status, secondary_addresses,

@@ -7,8 +7,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use crate::cni::allocate::Scope;
-use crate::config::RangeConfig;
+use crate::alloc::Target;
 use crate::crd::{IPAllocation, IPPool};
 use crate::ipam::AddrRange;
 use crate::ipam::naming::{pool_name, reservation_name};
@@ -54,21 +53,15 @@ impl PoolView {
             .map(|ip| reservation_name(self.network_name.as_deref(), ip))
     }
 
-    /// The range and scope the shared release code needs. Reservations are always looked for:
-    /// a network without overlap protection simply has none.
-    pub fn release_target(&self) -> (RangeConfig, Scope<'_>) {
-        let range = RangeConfig {
-            path: String::new(),
+    /// The engine's target of this pool. Reservations are always looked for: a network without
+    /// overlap protection simply has none.
+    pub fn target(&self) -> Target {
+        Target {
+            pool: self.name.clone(),
             range: self.range.clone(),
-            pool_name: self.name.clone(),
-        };
-        (
-            range,
-            Scope {
-                network_name: self.network_name.as_deref(),
-                overlapping: true,
-            },
-        )
+            network: self.network_name.clone(),
+            overlapping: true,
+        }
     }
 }
 

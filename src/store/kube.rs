@@ -31,6 +31,7 @@ use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
     OverlappingRangeIPReservationSpec,
 };
+use crate::retry::TRANSIENT_API;
 
 #[derive(Clone)]
 pub struct KubeStore {
@@ -74,31 +75,16 @@ impl KubeStore {
     }
 }
 
-/// Attempts of one request when the failure is transient (a dropped connection, an overloaded or
-/// restarting API server). Retrying is safe because every write is conditional: a repeated create
-/// answers 409 and is recognised as ours, a repeated patch fails its `test` and is re-read.
-const ATTEMPTS: u32 = 6;
-
-async fn retrying<T, F, Fut>(mut call: F) -> Result<T, kube::Error>
+/// Runs one request, again after a transient failure (a dropped connection, an overloaded or
+/// restarting API server), as [`TRANSIENT_API`] bounds it. Retrying is safe because every write
+/// is conditional: a repeated create answers 409 and is recognised as ours, a repeated patch fails
+/// its `test` and is re-read.
+async fn retrying<T, F, Fut>(call: F) -> Result<T, kube::Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, kube::Error>>,
 {
-    let mut attempt = 0;
-    loop {
-        match call().await {
-            Err(e) if attempt + 1 < ATTEMPTS && transient(&e) => {
-                attempt += 1;
-                let cap_ms = 20u64 << attempt;
-                tracing::debug!(error = %e, attempt, "retrying a transient API failure");
-                tokio::time::sleep(std::time::Duration::from_millis(fastrand::u64(
-                    cap_ms / 2..=cap_ms,
-                )))
-                .await;
-            }
-            other => return other,
-        }
-    }
+    TRANSIENT_API.retry(call, transient).await
 }
 
 fn transient(e: &kube::Error) -> bool {

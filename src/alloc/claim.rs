@@ -1,0 +1,157 @@
+//! Reservations as claims: an address is claimed by creating its reservation object (atomic
+//! create-or-409) before the pool records it, and the claims a pool does not record yet are the
+//! pending work of whoever writes the pool next.
+
+use std::net::IpAddr;
+
+use super::{Attachment, Engine};
+use crate::crd::IPAllocation;
+use crate::store::{Pool, Reservation, Store, StoreError, Write};
+
+/// The outcome of trying to claim an address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Ours, with the reservation's UID (new, or left by an earlier attempt of this attachment).
+    Ours(String),
+    /// Lost to a claimant that is probably still racing us: spread the next pick.
+    Race,
+    /// Held steadily by another pod (an overlapping range): just try the next address.
+    Occupied,
+    /// Lost, not read back: the next claims list tells `Race` from `Occupied`.
+    Lost,
+}
+
+/// A claim of the pool whose entry the pool does not hold yet.
+pub struct PendingClaim {
+    pub offset: u128,
+    pub uid: String,
+    pub entry: IPAllocation,
+}
+
+impl PendingClaim {
+    /// Made by this very container for this interface (an earlier attempt of the same ADD).
+    pub fn is_of(&self, who: &Attachment) -> bool {
+        self.entry.id == who.container_id
+            && self.entry.podref == who.podref
+            && self.entry.ifname == who.ifname
+    }
+}
+
+impl<S: Store> Engine<'_, S> {
+    /// Claims `ip` for `who`. With `verify`, a lost create is read back to tell a racing claimant
+    /// from a steady holder, and a reservation of the same pod interface under an earlier
+    /// container is taken over.
+    pub async fn claim(
+        &self,
+        ip: IpAddr,
+        who: &Attachment,
+        verify: bool,
+    ) -> Result<Claim, StoreError> {
+        let name = self.target.reservation(ip);
+        for _ in 0..3 {
+            if let (Write::Done, uid) = self
+                .store
+                .create_reservation(&name, &who.reservation(), &self.target.pool, ip)
+                .await?
+            {
+                return Ok(Claim::Ours(uid));
+            }
+            if !verify {
+                return Ok(Claim::Lost);
+            }
+            match self.store.get_reservation(&name).await? {
+                Some(r) if r.spec.podref == who.podref && r.spec.ifname == who.ifname => {
+                    return self.take_over(&name, &r, who).await;
+                }
+                Some(r) if r.is_recent() => return Ok(Claim::Race),
+                Some(_) => return Ok(Claim::Occupied),
+                None => continue, // released between our create and get: try again
+            }
+        }
+        Ok(Claim::Race)
+    }
+
+    /// This pod's interface holds the reservation: ours if under this container; under an
+    /// earlier container (a StatefulSet replacement, a sandbox re-created) it is made ours at the
+    /// version read, so that the earlier container's DEL, which deletes only the version it saw,
+    /// leaves it alone.
+    async fn take_over(
+        &self,
+        name: &str,
+        r: &Reservation,
+        who: &Attachment,
+    ) -> Result<Claim, StoreError> {
+        if r.spec.containerid == who.container_id {
+            return Ok(Claim::Ours(r.uid.clone()));
+        }
+        let spec = who.reservation();
+        Ok(
+            match self
+                .store
+                .take_over_reservation(name, &r.uid, &r.resource_version, &spec)
+                .await?
+            {
+                Write::Done => Claim::Ours(r.uid.clone()),
+                _ => Claim::Race,
+            },
+        )
+    }
+
+    /// Deletes this claim of `ip` (only the reservation object with `uid`).
+    pub async fn unclaim(&self, ip: IpAddr, uid: &str) -> Result<(), StoreError> {
+        self.store
+            .delete_reservation(&self.target.reservation(ip), uid, None)
+            .await
+            .map(|_| ())
+    }
+
+    /// The reservation `name` when it names the pod of `entry`: the one a release of that entry
+    /// may delete (never another pod's claim on the same address, e.g. of an overlapping range).
+    pub async fn reservation_of(
+        &self,
+        name: &str,
+        entry: &IPAllocation,
+    ) -> Result<Option<Reservation>, StoreError> {
+        Ok(self
+            .store
+            .get_reservation(name)
+            .await?
+            .filter(|r| r.spec.podref == entry.podref))
+    }
+
+    /// This pool's claims that the pool does not hold yet (other than `own`).
+    pub async fn pending_claims(
+        &self,
+        pool: &Pool,
+        own: Option<u128>,
+    ) -> Result<Vec<PendingClaim>, StoreError> {
+        let claims = match self.store.claims_of(&self.target.pool).await {
+            Ok(claims) => claims,
+            // Rights from before claims were listed: each claimant then records only itself.
+            Err(e) if e.kind() == "forbidden" => {
+                tracing::warn!(error = %e, "cannot list claims (RBAC: list overlappingrangeipreservations); recording only our own");
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(claims
+            .into_iter()
+            .filter_map(|c| {
+                let offset = self.target.range.offset_of(c.ip)?;
+                let entry = IPAllocation {
+                    id: c.spec.containerid,
+                    podref: c.spec.podref,
+                    ifname: c.spec.ifname,
+                    poduid: c.spec.poduid,
+                    ipamclaimref: c.spec.ipamclaimref,
+                };
+                let pending = Some(offset) != own && !pool.allocations.contains_key(&offset);
+                pending.then_some(PendingClaim {
+                    offset,
+                    uid: c.uid,
+                    entry,
+                })
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,265 @@
+//! The allocation engine: claiming and releasing addresses of one pool, without a lock. The CNI
+//! plugin ([`crate::cni`]), the node agent ([`crate::agent`]) and the operator
+//! ([`crate::controller`]) all go through it; it knows nothing of CNI configs or NADs, only of a
+//! [`Target`] (a pool, its address range, its network, whether ranges may overlap) and of the
+//! [`Attachment`] an address is for.
+//!
+//! ADD claims first, then records: with overlapping ranges on, the reservation object of the
+//! chosen address is created (atomic create-or-409); only its owner then records the pool entry,
+//! conditional on the pool's resourceVersion. A process killed between the two writes leaves a
+//! claim without a pool entry, which the next writer records or the operator's audit removes,
+//! never a duplicate. Upstream writes the pool first and then checks the reservation, so a mixed
+//! fleet stays safe: whichever writes the reservation first wins and the other moves on.
+//!
+//! Alone, a claimant records its entry with one write. When the claims list shows others claiming
+//! from the same pool, writing concurrently would make the API server re-run every losing write
+//! (docs/benchmarks.md), so claimants take turns ([`turn`]): one takes the pool's writer turn and
+//! records every pending claim in one write (group commit), the rest wait on a watch of the pool
+//! and are usually recorded by that write. The turn guards nothing; every write is conditional,
+//! and a turn left by a killed process is taken over after [`TURN_SECONDS`](crate::store::TURN_SECONDS).
+//!
+//! Losing a claim costs one request and a new pick; picks spread over the lowest free addresses
+//! in proportion to the claims in flight, so that concurrent claimants rarely collide, while a
+//! claimant alone still takes the lowest free address.
+//!
+//! DEL removes only entries that still hold the container being deleted, then the reservation if
+//! it belongs to the same pod, so an address re-bound to a newer container is never released.
+//! Concurrent DELs of one pool announce their releases on their reservations and take turns the
+//! same way, one write removing every announced entry ([`release`]).
+//!
+//! The node agent allocates the ADDs (releases the DELs) of one pool that arrive together as a
+//! group ([`group`]), under the same rules.
+//!
+//! | file | concern |
+//! |------|---------|
+//! | [`add`] | one ADD's address: pick, claim, record, reuse |
+//! | [`claim`] | reservations: claim, unclaim, the claims still waiting for their entry |
+//! | [`turn`] | the pool's writer turn and the group-commit writes made in it |
+//! | [`release`] | one DEL's entries, and removing many entries in one write |
+//! | [`group`] | the node agent's groups of ADDs and DELs |
+//! | [`pool`] | reading or creating a pool, and what its object can still hold |
+
+pub mod add;
+pub mod claim;
+pub mod group;
+pub mod pool;
+pub mod release;
+pub mod turn;
+
+use std::net::IpAddr;
+
+use thiserror::Error;
+
+use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::ipam::AddrRange;
+use crate::ipam::naming::reservation_name;
+use crate::store::{Pool, Store, StoreError};
+
+pub use group::Job;
+pub use release::remove_entries;
+
+/// What addresses are allocated from: one pool and the range its offsets count in, the network
+/// that scopes its reservations, and whether reservations are kept (ranges may overlap).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The IPPool's name.
+    pub pool: String,
+    pub range: AddrRange,
+    /// The `network_name` of the config: reservations are named within it.
+    pub network: Option<String>,
+    /// Whether addresses are claimed by reservation objects first (`enable_overlapping_ranges`).
+    pub overlapping: bool,
+}
+
+impl Target {
+    /// The address at `offset`, `None` when it lies outside the range's CIDR (a malformed pool).
+    pub fn ip(&self, offset: u128) -> Option<IpAddr> {
+        self.range.addr_at(offset)
+    }
+
+    /// The address of an offset this engine picked (from the range, so always inside it).
+    fn picked(&self, offset: u128) -> IpAddr {
+        self.ip(offset).expect("picked offsets lie in the range")
+    }
+
+    /// The name of the reservation guarding `ip` in this target's network.
+    pub fn reservation(&self, ip: IpAddr) -> String {
+        reservation_name(self.network.as_deref(), ip)
+    }
+}
+
+/// Who an address is for: the attachment of one container interface of one pod.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attachment {
+    pub container_id: String,
+    pub ifname: String,
+    /// `<namespace>/<name>`; empty when the runtime did not pass the pod (DEL may omit it).
+    pub podref: String,
+    pub pod_uid: String,
+}
+
+impl Attachment {
+    /// The entries a DEL of this attachment releases: its container's on its interface (an
+    /// entry without an interface name, as very old upstream versions wrote, counts as its own).
+    pub fn entries_in<'p>(
+        &self,
+        pool: &'p Pool,
+    ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
+        pool.allocations
+            .iter()
+            .filter(|(_, e)| {
+                e.id == self.container_id && (e.ifname == self.ifname || e.ifname.is_empty())
+            })
+            .map(|(o, e)| (*o, e))
+    }
+
+    /// The pool entry recording this attachment.
+    pub fn entry(&self) -> IPAllocation {
+        IPAllocation {
+            id: self.container_id.clone(),
+            podref: self.podref.clone(),
+            ifname: self.ifname.clone(),
+            poduid: self.pod_uid.clone(),
+            ipamclaimref: String::new(),
+        }
+    }
+
+    fn reservation(&self) -> OverlappingRangeIPReservationSpec {
+        OverlappingRangeIPReservationSpec {
+            containerid: self.container_id.clone(),
+            podref: self.podref.clone(),
+            ifname: self.ifname.clone(),
+            poduid: self.pod_uid.clone(),
+            ipamclaimref: String::new(),
+        }
+    }
+}
+
+/// Whether an entry still holds the container and pod `expected` names (the interface may have
+/// been written differently by an older writer).
+pub fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
+    current.id == expected.id && current.podref == expected.podref
+}
+
+/// The outcome of an allocation and how many races it lost on the way (for benchmarks and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocated {
+    pub ip: IpAddr,
+    pub conflicts: u32,
+}
+
+#[derive(Debug, Error)]
+pub enum AllocError {
+    #[error(
+        "no free address in range {cidr} (window {first} to {last}{excludes}): all {size} addresses are allocated"
+    )]
+    Exhausted {
+        cidr: String,
+        first: IpAddr,
+        last: IpAddr,
+        excludes: String,
+        size: u128,
+    },
+    /// One more entry would grow the pool's object past what the API server can store.
+    #[error(
+        "pool {pool} cannot hold another entry: its {entries} entries take about {bytes} bytes, and an IPPool object must stay under {budget} bytes (etcd's request limit, 1.5 MiB by default, less room for metadata); split the range into smaller ranges (one NAD each, or range_start/range_end windows) or use node slices (docs/reliability.md, Limits)"
+    )]
+    PoolFull {
+        pool: String,
+        entries: usize,
+        bytes: usize,
+        budget: usize,
+    },
+    #[error("pool {pool}: gave up after {attempts} lost races for an address")]
+    TooManyConflicts { pool: String, attempts: u32 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The node agent could not finish the allocation (it is shutting down).
+    #[error("node agent: {0}")]
+    Agent(String),
+}
+
+impl AllocError {
+    /// No address left in `target`'s window.
+    pub fn exhausted(target: &Target) -> AllocError {
+        let range = &target.range;
+        let (first, last) = range.window();
+        let excludes: Vec<String> = range.excludes().iter().map(ToString::to_string).collect();
+        let excludes = if excludes.is_empty() {
+            String::new()
+        } else {
+            format!(", exclude {}", excludes.join(","))
+        };
+        AllocError::Exhausted {
+            cidr: range.cidr().to_string(),
+            first,
+            last,
+            excludes,
+            size: range.size(),
+        }
+    }
+}
+
+/// The engine over one target: the store and the target every step of an allocation or release
+/// needs, carried together instead of in every parameter list.
+pub struct Engine<'a, S> {
+    pub store: &'a S,
+    pub target: &'a Target,
+}
+
+impl<S> Clone for Engine<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for Engine<'_, S> {}
+
+impl<'a, S: Store> Engine<'a, S> {
+    pub fn new(store: &'a S, target: &'a Target) -> Self {
+        Engine { store, target }
+    }
+}
+
+/// How an ADD claims, and a DEL releases, each range's address: by this process alone
+/// ([`Direct`]), or handed to the node agent, which claims (releases) the addresses of many ADDs
+/// (DELs) of one pool together.
+pub trait Allocate<S: Store>: Sync {
+    fn allocate(
+        &self,
+        store: &S,
+        target: &Target,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Allocated, AllocError>> + Send;
+
+    fn release(
+        &self,
+        store: &S,
+        target: &Target,
+        who: &Attachment,
+    ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send;
+}
+
+/// Each ADD claims and records its own addresses ([`Engine::allocate`]), each DEL releases its
+/// own ([`Engine::release`]).
+pub struct Direct;
+
+impl<S: Store> Allocate<S> for Direct {
+    async fn allocate(
+        &self,
+        store: &S,
+        target: &Target,
+        who: &Attachment,
+    ) -> Result<Allocated, AllocError> {
+        Engine::new(store, target).allocate(who).await
+    }
+
+    async fn release(
+        &self,
+        store: &S,
+        target: &Target,
+        who: &Attachment,
+    ) -> Result<Vec<IpAddr>, StoreError> {
+        Engine::new(store, target).release(who).await
+    }
+}
