@@ -4,9 +4,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use serde_json::{Value, json};
+use whereabouts::alloc::Allocate;
 use whereabouts::alloc::Target;
-use whereabouts::cni::protocol::{CniError, Command, code};
-use whereabouts::cni::{FlatSource, Invocation, Request, handle, load};
+use whereabouts::cni::protocol::{CniError, Code, Command};
+use whereabouts::cni::{FlatSource, Invocation, Request};
 use whereabouts::crd::IPAllocation;
 use whereabouts::store::Store;
 use whereabouts::store::memory::MemoryStore;
@@ -34,14 +35,23 @@ fn request_conf(
         ),
     ]);
     let env = move |k: &str| vars.get(k).cloned();
-    load(
-        command,
-        &Invocation {
-            env: &env,
-            stdin: &stdin,
-            flat_file: FlatSource::Paths(vec![]),
-        },
-    )
+    Invocation::read(&env, &stdin, FlatSource::Paths(vec![])).load(command)
+}
+
+/// The library's handler, with the reply as the JSON the plugin prints.
+async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
+    let reply = whereabouts::cni::handle(store, req).await?;
+    Ok(reply.map(|r| r.to_value()))
+}
+
+/// [`handle`] with addresses claimed by `alloc` (the node agent's batcher).
+async fn handle_with<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Option<Value>, CniError> {
+    let reply = whereabouts::cni::handle_with(store, alloc, req).await?;
+    Ok(reply.map(|r| r.to_value()))
 }
 
 async fn run(
@@ -415,7 +425,7 @@ async fn exhaustion_names_the_range_and_rolls_back_earlier_ranges() {
     let e = run(&store, Command::Add, &ipam, "c2", "p2")
         .await
         .unwrap_err();
-    assert_eq!(e.code, code::EXHAUSTED);
+    assert_eq!(e.code, Code::Exhausted);
     assert_eq!(
         e.msg,
         "no free address in range 10.0.1.0/30 (window 10.0.1.1 to 10.0.1.2, exclude 10.0.1.2/32): all 1 addresses are allocated"
@@ -438,12 +448,12 @@ async fn datastore_failures_are_reported_for_retry() {
     let e = run(&store, Command::Del, &ipam, "c1", "p1")
         .await
         .unwrap_err();
-    assert_eq!(e.code, code::TRY_AGAIN_LATER);
+    assert_eq!(e.code, Code::TryAgainLater);
     assert!(e.msg.contains("etcd is down"), "{}", e.msg);
     let e = run(&store, Command::Status, &ipam, "", "")
         .await
         .unwrap_err();
-    assert_eq!(e.code, code::NOT_AVAILABLE);
+    assert_eq!(e.code, Code::NotAvailable);
 }
 
 #[tokio::test]
@@ -490,7 +500,7 @@ async fn check_compares_with_prev_result() {
         .await
         .unwrap_err()
         .code,
-        code::CHECK_MISMATCH
+        Code::CheckMismatch
     );
     assert!(
         handle(
@@ -533,7 +543,7 @@ async fn gc_releases_only_unknown_attachments_of_gone_pods() {
             .await
             .unwrap_err()
             .code,
-        code::INVALID_CONFIG
+        Code::InvalidConfig
     );
 }
 
@@ -546,14 +556,14 @@ fn invalid_inputs_are_cni_errors() {
         "p",
     )
     .unwrap_err();
-    assert_eq!(e.code, code::INVALID_CONFIG);
+    assert_eq!(e.code, Code::InvalidConfig);
     assert_eq!(
         e.msg,
         r#"invalid whereabouts config: ipam.range "abc.169.1.0/24" is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)"#
     );
     // 0.2.0 is answered since upstream answers it (tests/cni_memory.rs: legacy results); not this.
     let e = request_conf(Command::Add, json!({"cniVersion": "1.2.3.4", "name": "n", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}}), "c", "p").unwrap_err();
-    assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+    assert_eq!(e.code, Code::IncompatibleVersion);
     let e = request(
         Command::Add,
         json!({"type": "whereabouts", "range": "10.0.0.0/24"}),
@@ -563,7 +573,7 @@ fn invalid_inputs_are_cni_errors() {
     .unwrap_err();
     assert_eq!(
         (e.code, e.msg.as_str()),
-        (code::INVALID_ENV, "CNI_CONTAINERID is not set")
+        (Code::InvalidEnv, "CNI_CONTAINERID is not set")
     );
     let e = request(
         Command::Add,
@@ -572,7 +582,7 @@ fn invalid_inputs_are_cni_errors() {
         "",
     )
     .unwrap_err();
-    assert_eq!(e.code, code::INVALID_ENV);
+    assert_eq!(e.code, Code::InvalidEnv);
 }
 
 #[tokio::test]
@@ -675,7 +685,7 @@ async fn batched_and_direct_adds_share_a_pool_without_duplicates() {
                 let out = if i % 4 == 0 {
                     handle(&*store, &req).await
                 } else {
-                    whereabouts::cni::handle_with(&*store, &*batcher, &req).await
+                    handle_with(&*store, &*batcher, &req).await
                 };
                 addresses(&out.unwrap().unwrap())[0].clone()
             })
@@ -708,7 +718,7 @@ async fn batched_dual_stack_adds_get_one_address_per_range() {
             tokio::spawn(async move {
                 let req =
                     request(Command::Add, dual(), &format!("c{i}"), &format!("p{i}")).unwrap();
-                let out = whereabouts::cni::handle_with(&*store, &*batcher, &req).await;
+                let out = handle_with(&*store, &*batcher, &req).await;
                 addresses(&out.unwrap().unwrap())
             })
         })
@@ -806,7 +816,7 @@ async fn batched_dels_release_together_and_spare_re_bound_addresses() {
             let (store, batcher, ipam) = (store.clone(), batcher.clone(), ipam.clone());
             tokio::spawn(async move {
                 let req = request(Command::Del, ipam, &format!("c{i}"), &format!("p{i}")).unwrap();
-                whereabouts::cni::handle_with(&*store, &*batcher, &req).await
+                handle_with(&*store, &*batcher, &req).await
             })
         })
         .collect();
@@ -836,7 +846,6 @@ fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Attachment {
 #[tokio::test]
 async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
     use whereabouts::agent::batch::Batcher;
-    use whereabouts::alloc::Allocate;
     let store = Arc::new(MemoryStore::new());
     let batcher = Batcher::new(store.clone());
     let range = range_of(json!({"range": "10.0.0.0/24"}));
@@ -860,7 +869,6 @@ async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
 #[tokio::test]
 async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
     use whereabouts::agent::batch::Batcher;
-    use whereabouts::alloc::Allocate;
     let store = Arc::new(MemoryStore::new().interleaved());
     let batcher = Arc::new(Batcher::new(store.clone()));
     let range = range_of(json!({"range": "10.0.0.0/24"}));
@@ -924,7 +932,7 @@ async fn legacy_versions_get_ip4_and_ip6_results() {
     // Two IPv4 ranges: refused with the validator's words, and nothing is allocated.
     let two_v4 = json!({"type": "whereabouts", "range": "10.1.0.0/24", "ipRanges": [{"range": "10.2.0.0/24"}]});
     let e = request_conf(Command::Add, conf(Some("0.2.0"), two_v4), "c9", "p9").unwrap_err();
-    assert_eq!(e.code, code::INVALID_CONFIG);
+    assert_eq!(e.code, Code::InvalidConfig);
     assert_eq!(
         e.msg,
         r#"invalid whereabouts config: cniVersion "0.2.0" results hold one address per family, but 2 IPv4 addresses are configured (ipam.range, ipam.ipRanges[0]): use cniVersion 0.3.0 or later"#
@@ -944,16 +952,10 @@ async fn legacy_versions_get_ip4_and_ip6_results() {
         }
         _ => None,
     };
-    let e = load(
-        Command::Add,
-        &Invocation {
-            env: &env,
-            stdin: &stdin,
-            flat_file: FlatSource::Paths(vec![]),
-        },
-    )
-    .unwrap_err();
-    assert_eq!(e.code, code::INVALID_ENV, "{}", e.msg);
+    let e = Invocation::read(&env, &stdin, FlatSource::Paths(vec![]))
+        .load(Command::Add)
+        .unwrap_err();
+    assert_eq!(e.code, Code::InvalidEnv, "{}", e.msg);
     assert!(
         e.msg.starts_with(
             r#"CNI_ARGS IP: cniVersion "0.2.0" results hold one address per family, but 2 IPv4"#
@@ -1031,7 +1033,7 @@ async fn an_add_that_would_outgrow_the_pool_object_is_refused_for_good() {
     let e = run(&store, Command::Add, &ipam, "c-new", "new")
         .await
         .unwrap_err();
-    assert_eq!(e.code, code::EXHAUSTED, "{e:?}");
+    assert_eq!(e.code, Code::Exhausted, "{e:?}");
     assert!(
         e.msg
             .contains("pool 10.128.0.0-16 cannot hold another entry")
@@ -1062,10 +1064,8 @@ async fn a_batched_add_that_would_outgrow_the_pool_object_is_refused_for_good() 
     let entries = fill_pool_object(&store).await;
     let ipam = json!({"type": "whereabouts", "range": "10.128.0.0/16"});
     let req = request(Command::Add, ipam, "c-new", "new").unwrap();
-    let e = whereabouts::cni::handle_with(&*store, &batcher, &req)
-        .await
-        .unwrap_err();
-    assert_eq!(e.code, code::EXHAUSTED, "{e:?}");
+    let e = handle_with(&*store, &batcher, &req).await.unwrap_err();
+    assert_eq!(e.code, Code::Exhausted, "{e:?}");
     assert!(
         e.msg.contains(&format!("its {entries} entries")),
         "{}",

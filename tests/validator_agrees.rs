@@ -5,12 +5,12 @@
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
-use whereabouts::cni::protocol::{Command, code};
-use whereabouts::cni::{FlatSource, Invocation, load};
+use whereabouts::cni::protocol::{Code, Command};
+use whereabouts::cni::{FlatSource, Invocation};
 use whereabouts::validate::check_spec_config;
 
 /// The plugin's verdict: `Ok` or the CNI error code and message.
-fn plugin(config: &str) -> Result<(), (u32, String)> {
+fn plugin(config: &str) -> Result<(), (Code, String)> {
     let env = |k: &str| match k {
         "CNI_CONTAINERID" => Some("c1".to_owned()),
         "CNI_IFNAME" => Some("net1".to_owned()),
@@ -19,21 +19,17 @@ fn plugin(config: &str) -> Result<(), (u32, String)> {
         }
         _ => None,
     };
-    let inv = Invocation {
-        env: &env,
-        stdin: config,
-        flat_file: FlatSource::Paths(vec![]),
-    };
-    load(Command::Add, &inv)
+    Invocation::read(&env, config, FlatSource::Paths(vec![]))
+        .load(Command::Add)
         .map(|_| ())
         .map_err(|e| (e.code, e.msg))
 }
 
 /// Codes that mean "this configuration cannot work": what the validator must have refused.
-fn is_config_error(code: u32) -> bool {
+fn is_config_error(code: Code) -> bool {
     matches!(
         code,
-        code::INCOMPATIBLE_VERSION | code::UNSUPPORTED_FIELD | code::DECODE | code::INVALID_CONFIG
+        Code::IncompatibleVersion | Code::UnsupportedField | Code::Decode | Code::InvalidConfig
     )
 }
 
@@ -49,11 +45,12 @@ fn agree(config: &str) -> Result<(), TestCaseError> {
     );
     let refused_at_add = match plugin(config) {
         Ok(()) => None,
-        Err((c, msg)) if is_config_error(c) => Some(format!("code {c}: {msg}")),
+        Err((c, msg)) if is_config_error(c) => Some(format!("code {}: {msg}", c.number())),
         // Anything else (environment, ...) is not the config's fault here.
         Err((c, msg)) => {
             return Err(TestCaseError::fail(format!(
-                "unexpected code {c} ({msg}) for {config}"
+                "unexpected code {} ({msg}) for {config}",
+                c.number()
             )));
         }
     };
@@ -285,7 +282,7 @@ fn the_reported_versions_are_refused_by_both() {
             nad.errors
         );
         let (code, msg) = plugin(&c).unwrap_err();
-        assert_eq!(code, code::INCOMPATIBLE_VERSION);
+        assert_eq!(code, Code::IncompatibleVersion);
         assert!(msg.starts_with(words), "{msg}");
     }
     // 0.2.0 works, as with upstream.

@@ -11,10 +11,10 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
-use whereabouts::agent::protocol::{AgentReply, AgentRequest};
+use whereabouts::cni::handoff::{AgentReply, AgentRequest};
 use whereabouts::agent::server::parse_request;
 use whereabouts::cni::FlatSource;
-use whereabouts::cni::protocol::{CniError, Command, code};
+use whereabouts::cni::protocol::{CniError, Code, Command};
 use whereabouts_fuzz::{assert_cni_error, env_text, parts, plugin_load};
 
 fuzz_target!(|data: &[u8]| {
@@ -69,7 +69,7 @@ fuzz_target!(|data: &[u8]| {
                 code: c, msg: m, ..
             }),
         ) => {
-            assert_eq!((code, msg), (c, m));
+            assert_eq!((code, msg), (c.number(), m));
         }
         (a, b) => panic!("agent {a:?}, plugin {b:?}"),
     }
@@ -94,13 +94,13 @@ fn check_reply(data: &[u8], reply: Option<AgentReply>) {
             msg,
             details,
         }) => assert_cni_error(
-            &CniError::new(c, msg).with_details(details),
+            &CniError::new(Code::from_number(c), msg).with_details(details),
             &[
-                code::INCOMPATIBLE_VERSION,
-                code::UNSUPPORTED_FIELD,
-                code::INVALID_ENV,
-                code::DECODE,
-                code::INVALID_CONFIG,
+                Code::IncompatibleVersion,
+                Code::UnsupportedField,
+                Code::InvalidEnv,
+                Code::Decode,
+                Code::InvalidConfig,
             ],
         ),
         Some(AgentReply::Done { output }) => {
@@ -110,7 +110,10 @@ fn check_reply(data: &[u8], reply: Option<AgentReply>) {
                 req.env.get("CNI_COMMAND").map(String::as_str),
                 Some("VERSION")
             );
-            assert_eq!(output, Some(whereabouts::cni::protocol::version_reply()));
+            assert_eq!(
+                output,
+                Some(whereabouts::cni::protocol::version_reply().to_value())
+            );
         }
     }
 }

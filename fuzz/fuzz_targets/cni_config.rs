@@ -10,7 +10,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use whereabouts::cni::FlatSource;
-use whereabouts::cni::protocol::{CniArgs, Command, code};
+use whereabouts::cni::protocol::{CniArgs, Code, Command};
 use whereabouts::validate::check_spec_config;
 use whereabouts_fuzz::{
     assert_cni_error, assert_validator_agrees, env_text, good_env, parts, plugin_load,
@@ -41,7 +41,7 @@ fuzz_target!(|data: &[u8]| {
         Ok(Command::Version) => return,
         Ok(c) => c,
         Err(e) => {
-            assert_cni_error(&e, &[code::INVALID_ENV]);
+            assert_cni_error(&e, &[Code::InvalidEnv]);
             return;
         }
     };

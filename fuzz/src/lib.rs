@@ -5,8 +5,8 @@
 //! separator 0x1E: valid JSON never holds it unescaped, so a seed stays a readable file and a
 //! mutation of one part rarely spills into another. An input without 0x1E is the raw-bytes path.
 
-use whereabouts::cni::protocol::{CniError, Command, code};
-use whereabouts::cni::{FlatSource, Invocation, Request, load};
+use whereabouts::cni::protocol::{CniError, Code, Command};
+use whereabouts::cni::{FlatSource, Invocation, Request};
 use whereabouts::validate::NadCheck;
 
 pub const SEPARATOR: u8 = 0x1E;
@@ -34,46 +34,41 @@ pub fn good_env(key: &str) -> Option<String> {
     }
 }
 
-/// Every error code `cni::load` may return, and what each means.
-const LOAD_CODES: &[u32] = &[
-    code::INCOMPATIBLE_VERSION,
-    code::UNSUPPORTED_FIELD,
-    code::INVALID_ENV,
-    code::DECODE,
-    code::INVALID_CONFIG,
+/// Every error code loading an invocation may return.
+const LOAD_CODES: &[Code] = &[
+    Code::IncompatibleVersion,
+    Code::UnsupportedField,
+    Code::InvalidEnv,
+    Code::Decode,
+    Code::InvalidConfig,
 ];
 
 /// A typed CNI error with a message, that renders as the CNI error object the runtime parses.
-pub fn assert_cni_error(e: &CniError, codes: &[u32]) {
+pub fn assert_cni_error(e: &CniError, codes: &[Code]) {
     assert!(
         codes.contains(&e.code),
-        "unexpected code {} ({})",
+        "unexpected code {:?} ({})",
         e.code,
         e.msg
     );
     assert!(
         !e.msg.trim().is_empty(),
-        "empty message for code {}",
+        "empty message for code {:?}",
         e.code
     );
     let json = e.to_json("");
-    assert_eq!(json["code"], e.code);
+    assert_eq!(json["code"], e.code.number());
     assert_eq!(json["msg"], e.msg.as_str());
 }
 
-/// `cni::load` with `env`, `stdin`, `flat_file`, checking the shape of any error.
+/// The invocation of `env`, `stdin`, `flat_file` loaded, checking the shape of any error.
 pub fn plugin_load(
     command: Command,
     env: &dyn Fn(&str) -> Option<String>,
     stdin: &str,
     flat_file: FlatSource,
 ) -> Result<Request, CniError> {
-    let inv = Invocation {
-        env,
-        stdin,
-        flat_file,
-    };
-    let got = load(command, &inv);
+    let got = Invocation::read(env, stdin, flat_file).load(command);
     if let Err(e) = &got {
         assert_cni_error(e, LOAD_CODES);
     }
@@ -81,10 +76,10 @@ pub fn plugin_load(
 }
 
 /// Codes that mean "this configuration cannot work" (tests/validator_agrees.rs).
-fn is_config_error(c: u32) -> bool {
+fn is_config_error(c: Code) -> bool {
     matches!(
         c,
-        code::INCOMPATIBLE_VERSION | code::UNSUPPORTED_FIELD | code::DECODE | code::INVALID_CONFIG
+        Code::IncompatibleVersion | Code::UnsupportedField | Code::Decode | Code::InvalidConfig
     )
 }
 
@@ -107,7 +102,7 @@ pub fn assert_validator_agrees(config: &str, nad: &NadCheck) {
         Err(e) => {
             assert!(
                 is_config_error(e.code),
-                "code {} ({}) for a config with a good environment: {config}",
+                "code {:?} ({}) for a config with a good environment: {config}",
                 e.code,
                 e.msg
             );

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixStream;
 
-use super::protocol::{AgentReply, AgentRequest};
+use crate::cni::handoff::{AgentReply, AgentRequest};
 
 /// How often the agent asks itself whether it answers.
 pub const PROBE_EVERY: Duration = Duration::from_secs(5);

@@ -9,9 +9,7 @@
 //! needed for correctness, only for speed.
 
 pub mod batch;
-pub mod client;
 pub mod health;
-pub mod protocol;
 pub mod server;
 
 pub use server::{Agent, bind, unbind};

@@ -12,8 +12,8 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
 use super::batch::{Batcher, Limits};
-use super::protocol::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
-use crate::cni::protocol::{CniError, Command, code};
+use crate::cni::handoff::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
+use crate::cni::protocol::{CniError, Code, Command};
 use crate::cni::{self, FlatSource, Invocation};
 use crate::metrics::agent as metrics;
 use crate::store::Store;
@@ -230,12 +230,14 @@ impl<S: Store + 'static> Agent<S> {
             command = ?req.command,
             pod = %req.attachment.podref,
             container = %req.attachment.container_id,
-            error = result.as_ref().err().map(|e| e.code),
+            error = result.as_ref().err().map(|e| e.code.number()),
             ms = started.elapsed().as_millis() as u64,
             "served"
         );
         match result {
-            Ok(output) => AgentReply::Done { output },
+            Ok(output) => AgentReply::Done {
+                output: output.map(|r| r.to_value()),
+            },
             Err(e) => e.into(),
         }
     }
@@ -277,15 +279,12 @@ fn load(request: AgentRequest) -> Result<cni::Request, AgentReply> {
     let command = Command::parse(&env("CNI_COMMAND").unwrap_or_default())?;
     if command == Command::Version {
         return Err(AgentReply::Done {
-            output: Some(cni::protocol::version_reply()),
+            output: Some(cni::protocol::version_reply().to_value()),
         });
     }
-    let inv = Invocation {
-        env: &env,
-        stdin: &request.stdin,
-        flat_file: FlatSource::Found(request.flat_file.clone().map(|f| (f.path, f.conf))),
-    };
-    Ok(cni::load(command, &inv)?)
+    let flat_file = request.flat_file.map(|f| (f.path, f.conf));
+    let inv = Invocation::read(&env, &request.stdin, FlatSource::Found(flat_file));
+    Ok(inv.load(command)?)
 }
 
 /// Reads one request: the whole stream up to the plugin's shutdown, bounded in size and time.
@@ -302,10 +301,10 @@ async fn read_request(stream: &mut UnixStream) -> Result<AgentRequest, CniError>
     };
     match tokio::time::timeout(READ_TIMEOUT, read).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(CniError::new(code::IO_FAILURE, format!("agent read: {e}"))),
+        Ok(Err(e)) => return Err(CniError::new(Code::IoFailure, format!("agent read: {e}"))),
         Err(_) => {
             return Err(CniError::new(
-                code::IO_FAILURE,
+                Code::IoFailure,
                 format!("agent read: no complete request within {READ_TIMEOUT:?}"),
             ));
         }
@@ -317,12 +316,12 @@ async fn read_request(stream: &mut UnixStream) -> Result<AgentRequest, CniError>
 fn decode(buf: &[u8]) -> Result<AgentRequest, CniError> {
     if buf.len() > MAX_REQUEST_BYTES {
         return Err(CniError::new(
-            code::DECODE,
+            Code::Decode,
             format!("agent request is larger than {MAX_REQUEST_BYTES} bytes"),
         ));
     }
     serde_json::from_slice(buf)
-        .map_err(|e| CniError::new(code::DECODE, format!("agent request: {e}")))
+        .map_err(|e| CniError::new(Code::Decode, format!("agent request: {e}")))
 }
 
 /// Binds the agent's socket, owner-only (0600) from the moment it appears at `path`: it is bound
@@ -559,14 +558,14 @@ mod tests {
         assert_eq!(
             version.unwrap_err(),
             AgentReply::Done {
-                output: Some(cni::protocol::version_reply())
+                output: Some(cni::protocol::version_reply().to_value())
             }
         );
         let bad = parse_request(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{","flatFile":null}"#);
         let AgentReply::Failed { code: c, msg, .. } = bad.unwrap_err() else {
             panic!("not a CNI error");
         };
-        assert_eq!(c, code::DECODE);
+        assert_eq!(c, Code::Decode.number());
         assert!(msg.starts_with("network config is not valid JSON"), "{msg}");
     }
 }

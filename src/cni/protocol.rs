@@ -1,46 +1,98 @@
 //! The CNI boundary: environment and stdin in, one JSON reply (or CNI error) out.
 //!
 //! Everything the runtime hands us is validated here, and every failure becomes a [`CniError`]
-//! with a spec error code and a message naming the variable or field and its value.
+//! with a spec error [`Code`] and a message naming the variable or field and its value.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
 
-use crate::ipam::Family;
-
+pub use super::reply::version_reply;
 use crate::config::NetConf;
 pub use crate::config::netconf::SUPPORTED_VERSIONS;
-use crate::config::netconf::one_address_per_family;
 
 /// Error codes of the CNI specification (and ours from 100 up).
-pub mod code {
-    pub const INCOMPATIBLE_VERSION: u32 = 1;
-    pub const UNSUPPORTED_FIELD: u32 = 2;
-    pub const INVALID_ENV: u32 = 4;
-    pub const IO_FAILURE: u32 = 5;
-    pub const DECODE: u32 = 6;
-    pub const INVALID_CONFIG: u32 = 7;
-    pub const TRY_AGAIN_LATER: u32 = 11;
-    pub const NOT_AVAILABLE: u32 = 50;
-    /// No free address is left in a range.
-    pub const EXHAUSTED: u32 = 100;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    IncompatibleVersion,
+    UnsupportedField,
+    InvalidEnv,
+    IoFailure,
+    Decode,
+    InvalidConfig,
+    TryAgainLater,
+    NotAvailable,
+    /// No free address is left in a range (or the pool's object can hold no more entries).
+    Exhausted,
     /// CHECK found the stored state differs from the previous result.
-    pub const CHECK_MISMATCH: u32 = 101;
+    CheckMismatch,
+    /// A code this version does not know, passed on as it came (from a newer node agent).
+    Other(u32),
+}
+
+impl Code {
+    const KNOWN: [Code; 10] = [
+        Code::IncompatibleVersion,
+        Code::UnsupportedField,
+        Code::InvalidEnv,
+        Code::IoFailure,
+        Code::Decode,
+        Code::InvalidConfig,
+        Code::TryAgainLater,
+        Code::NotAvailable,
+        Code::Exhausted,
+        Code::CheckMismatch,
+    ];
+
+    /// The number printed in the error object.
+    pub fn number(self) -> u32 {
+        match self {
+            Code::IncompatibleVersion => 1,
+            Code::UnsupportedField => 2,
+            Code::InvalidEnv => 4,
+            Code::IoFailure => 5,
+            Code::Decode => 6,
+            Code::InvalidConfig => 7,
+            Code::TryAgainLater => 11,
+            Code::NotAvailable => 50,
+            Code::Exhausted => 100,
+            Code::CheckMismatch => 101,
+            Code::Other(n) => n,
+        }
+    }
+
+    pub fn from_number(n: u32) -> Code {
+        Code::KNOWN
+            .into_iter()
+            .find(|c| c.number() == n)
+            .unwrap_or(Code::Other(n))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{msg}")]
 pub struct CniError {
-    pub code: u32,
+    pub code: Code,
     pub msg: String,
     pub details: String,
 }
 
+/// The error object printed on stdout (keys in the order JSON objects print them).
+#[derive(Serialize)]
+struct ErrorReply<'a> {
+    #[serde(rename = "cniVersion")]
+    cni_version: &'a str,
+    code: u32,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    details: &'a str,
+    msg: &'a str,
+}
+
 impl CniError {
-    pub fn new(code: u32, msg: impl Into<String>) -> Self {
+    pub fn new(code: Code, msg: impl Into<String>) -> Self {
         CniError {
             code,
             msg: msg.into(),
@@ -55,16 +107,18 @@ impl CniError {
 
     /// The error object printed on stdout.
     pub fn to_json(&self, cni_version: &str) -> Value {
-        let version = if cni_version.is_empty() {
+        let cni_version = if cni_version.is_empty() {
             "1.1.0"
         } else {
             cni_version
         };
-        let mut v = json!({"cniVersion": version, "code": self.code, "msg": self.msg});
-        if !self.details.is_empty() {
-            v["details"] = json!(self.details);
-        }
-        v
+        let reply = ErrorReply {
+            cni_version,
+            code: self.code.number(),
+            details: &self.details,
+            msg: &self.msg,
+        };
+        serde_json::to_value(reply).expect("errors serialise")
     }
 }
 
@@ -89,7 +143,7 @@ impl Command {
             "GC" => Command::Gc,
             other => {
                 return Err(CniError::new(
-                    code::INVALID_ENV,
+                    Code::InvalidEnv,
                     format!(
                         "CNI_COMMAND {other:?} is not one of ADD, DEL, CHECK, VERSION, STATUS, GC"
                     ),
@@ -115,7 +169,7 @@ pub struct CniArgs {
 
 impl CniArgs {
     pub fn parse(text: &str) -> Result<CniArgs, CniError> {
-        let bad = |msg: String| CniError::new(code::INVALID_ENV, msg);
+        let bad = |msg: String| CniError::new(Code::InvalidEnv, msg);
         // Ordered by key, so that of two unknown keys the same one is named at every call (a
         // HashMap named either, found by fuzz/agent_request); the last of a repeated key wins.
         let mut pairs = BTreeMap::new();
@@ -161,112 +215,12 @@ fn split_parse<T: std::str::FromStr>(text: &str) -> Result<Vec<T>, String> {
         .collect()
 }
 
-/// One address of a result.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IpResult {
-    pub address: IpNet,
-    pub gateway: Option<IpAddr>,
-}
-
-/// Renders an ADD result in the configuration's version: 0.3.x and 0.4.0 carry `version` per IP,
-/// 1.x does not; 0.1.0 and 0.2.0 have one `ip4` and one `ip6` object, each with its routes.
-pub fn render_result(
-    cni_version: &str,
-    ips: &[IpResult],
-    routes: &[Value],
-    dns: Option<&Value>,
-) -> Result<Value, CniError> {
-    let mut result = if one_address_per_family(cni_version) {
-        render_ip4_ip6(cni_version, ips, routes)?
-    } else {
-        render_ips(cni_version, ips, routes)
-    };
-    result["dns"] = dns.cloned().unwrap_or_else(|| json!({}));
-    Ok(result)
-}
-
-fn render_ips(cni_version: &str, ips: &[IpResult], routes: &[Value]) -> Value {
-    let legacy = cni_version.starts_with("0.");
-    let ips: Vec<Value> = ips
-        .iter()
-        .map(|ip| {
-            let mut v = json!({"address": ip.address.to_string()});
-            if let Some(gw) = ip.gateway {
-                v["gateway"] = json!(gw.to_string());
-            }
-            if legacy {
-                v["version"] = json!(Family::of(ip.address.addr()).version_str());
-            }
-            v
-        })
-        .collect();
-    let mut result = json!({"cniVersion": cni_version, "ips": ips});
-    if !routes.is_empty() {
-        result["routes"] = json!(routes);
-    }
-    result
-}
-
-/// The 0.1.0/0.2.0 shape. `load` refuses a config or CNI_ARGS `IP=` that would give two
-/// addresses of one family; refusing it here too keeps a result from silently dropping one.
-fn render_ip4_ip6(
-    cni_version: &str,
-    ips: &[IpResult],
-    routes: &[Value],
-) -> Result<Value, CniError> {
-    let mut result = json!({"cniVersion": cni_version});
-    for (family, key) in [(Family::V4, "ip4"), (Family::V6, "ip6")] {
-        let mine: Vec<&IpResult> = ips
-            .iter()
-            .filter(|ip| Family::of(ip.address.addr()) == family)
-            .collect();
-        let [ip] = mine.as_slice() else {
-            if mine.is_empty() {
-                continue;
-            }
-            let list: Vec<String> = mine.iter().map(|ip| ip.address.to_string()).collect();
-            return Err(CniError::new(
-                code::INVALID_CONFIG,
-                format!(
-                    "cniVersion {cni_version:?} results hold one {} address, this ADD has {} ({}): use cniVersion 0.3.0 or later",
-                    family.name(),
-                    mine.len(),
-                    list.join(", ")
-                ),
-            ));
-        };
-        let mut v = json!({"ip": ip.address.to_string()});
-        if let Some(gw) = ip.gateway {
-            v["gateway"] = json!(gw.to_string());
-        }
-        let family_routes: Vec<&Value> = routes
-            .iter()
-            .filter(|r| route_family(r) == Some(family))
-            .collect();
-        if !family_routes.is_empty() {
-            v["routes"] = json!(family_routes);
-        }
-        result[key] = v;
-    }
-    Ok(result)
-}
-
-/// The family of a route's `dst` (validated to parse when the config was read).
-fn route_family(route: &Value) -> Option<Family> {
-    let dst: IpNet = route.get("dst")?.as_str()?.parse().ok()?;
-    Some(Family::of(dst.addr()))
-}
-
 /// Checks that we can answer in the configuration's version.
 pub fn check_version(conf: &NetConf) -> Result<(), CniError> {
     match conf.version_problem() {
         None => Ok(()),
-        Some(p) => Err(CniError::new(code::INCOMPATIBLE_VERSION, p.to_string())),
+        Some(p) => Err(CniError::new(Code::IncompatibleVersion, p.to_string())),
     }
-}
-
-pub fn version_reply() -> Value {
-    json!({"cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS})
 }
 
 #[cfg(test)]
@@ -283,7 +237,7 @@ mod tests {
             e.msg,
             r#"CNI_ARGS key "FOO" is not known (set IgnoreUnknown=1 to allow it)"#
         );
-        assert_eq!(e.code, code::INVALID_ENV);
+        assert_eq!(e.code, Code::InvalidEnv);
         assert!(
             CniArgs::parse("garbage")
                 .unwrap_err()
@@ -315,56 +269,20 @@ mod tests {
         assert_eq!(last_wins.pod_name, "b");
     }
 
+    /// The numbers are the CNI specification's (and ours from 100 up), and a number the plugin
+    /// does not know (from a newer node agent) is passed on as it came.
     #[test]
-    fn results_follow_the_version() {
-        let ips = [
-            IpResult {
-                address: "10.0.0.5/24".parse().unwrap(),
-                gateway: Some("10.0.0.1".parse().unwrap()),
-            },
-            IpResult {
-                address: "2001::5/64".parse().unwrap(),
-                gateway: None,
-            },
-        ];
-        let old = render_result("0.3.1", &ips, &[], None).unwrap();
-        assert_eq!(old["ips"][0]["version"], "4");
-        assert_eq!(old["ips"][1]["version"], "6");
-        let routes = [
-            json!({"dst": "0.0.0.0/0"}),
-            json!({"dst": "::/0", "gw": "2001::1"}),
-        ];
-        let new = render_result("1.0.0", &ips, &routes, None).unwrap();
-        assert!(new["ips"][0].get("version").is_none());
-        assert_eq!(new["ips"][0]["gateway"], "10.0.0.1");
-        assert_eq!(new["routes"][0]["dst"], "0.0.0.0/0");
-        // 0.1.0 and 0.2.0: one object per family, each with its own routes.
-        for v in ["0.1.0", "0.2.0"] {
-            let r = render_result(v, &ips, &routes, None).unwrap();
-            assert_eq!(
-                r,
-                json!({"cniVersion": v,
-                       "ip4": {"ip": "10.0.0.5/24", "gateway": "10.0.0.1", "routes": [{"dst": "0.0.0.0/0"}]},
-                       "ip6": {"ip": "2001::5/64", "routes": [{"dst": "::/0", "gw": "2001::1"}]},
-                       "dns": {}})
-            );
+    fn codes_keep_their_numbers() {
+        let numbers: Vec<u32> = Code::KNOWN.iter().map(|c| c.number()).collect();
+        assert_eq!(numbers, [1, 2, 4, 5, 6, 7, 11, 50, 100, 101]);
+        for c in Code::KNOWN {
+            assert_eq!(Code::from_number(c.number()), c);
         }
-        let v4_only = render_result("0.2.0", &ips[..1], &[], None).unwrap();
-        assert!(v4_only.get("ip6").is_none() && v4_only.get("ips").is_none());
-        let two_v4 = [
-            ips[0].clone(),
-            IpResult {
-                address: "10.0.0.6/24".parse().unwrap(),
-                gateway: None,
-            },
-        ];
-        let e = render_result("0.2.0", &two_v4, &[], None).unwrap_err();
-        assert_eq!(e.code, code::INVALID_CONFIG);
-        assert!(
-            e.msg
-                .contains("one IPv4 address, this ADD has 2 (10.0.0.5/24, 10.0.0.6/24)"),
-            "{}",
-            e.msg
+        assert_eq!(Code::from_number(999), Code::Other(999));
+        let e = CniError::new(Code::Exhausted, "full").with_details("d");
+        assert_eq!(
+            e.to_json("").to_string(),
+            r#"{"cniVersion":"1.1.0","code":100,"details":"d","msg":"full"}"#
         );
     }
 
@@ -374,7 +292,7 @@ mod tests {
         assert!(check_version(&conf(r#""0.4.0""#)).is_ok());
         assert!(check_version(&conf(r#""0.2.0""#)).is_ok());
         let e = check_version(&conf(r#""1.2.3.4""#)).unwrap_err();
-        assert_eq!(e.code, code::INCOMPATIBLE_VERSION);
+        assert_eq!(e.code, Code::IncompatibleVersion);
         assert!(
             e.msg
                 .starts_with(r#"cniVersion "1.2.3.4" is not supported"#),

@@ -1,4 +1,5 @@
-//! What the plugin and the node agent say to each other over the agent's Unix socket.
+//! What the plugin and the node agent say to each other over the agent's Unix socket: the
+//! protocol here, the plugin's side in [`client`] (the agent's side is [`crate::agent::server`]).
 //!
 //! One request per connection: the plugin writes one JSON [`AgentRequest`] and shuts down its
 //! side, the agent answers with one JSON [`AgentReply`] and closes. The request carries exactly
@@ -6,13 +7,15 @@
 //! plugin found on the node, so the agent validates it again with the same code the plugin uses
 //! and the result cannot depend on which of the two ran it.
 
+pub mod client;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::cni::protocol::CniError;
+use super::protocol::CniError;
 
 /// Larger requests are refused: a network config is a few kilobytes.
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
@@ -54,7 +57,7 @@ pub enum AgentReply {
 impl From<CniError> for AgentReply {
     fn from(e: CniError) -> Self {
         AgentReply::Failed {
-            code: e.code,
+            code: e.code.number(),
             msg: e.msg,
             details: e.details,
         }

@@ -5,8 +5,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use super::protocol::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
-use crate::cni::protocol::{CniError, code};
+use super::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
+use crate::cni::protocol::{CniError, Code};
 
 /// How long connecting may take before the plugin runs the request itself.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -33,7 +33,7 @@ pub fn call(
     };
     let lost = |what: String| {
         CniError::new(
-            code::TRY_AGAIN_LATER,
+            Code::TryAgainLater,
             format!("node agent at {}: {what}", socket.display()),
         )
     };

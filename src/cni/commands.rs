@@ -1,0 +1,308 @@
+//! Running a validated [`Request`] against a [`Store`]: ADD, DEL, CHECK, GC, STATUS, VERSION,
+//! each within its deadline, with each range's address claimed (released) by an [`Allocate`]:
+//! this process alone, or the node agent's groups.
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::Request;
+use super::protocol::{CniError, Code, Command};
+use super::reply::{IpResult, Reply, render_result, version_reply};
+use crate::alloc::{AllocError, Allocate, Direct, Engine};
+use crate::store::Store;
+
+/// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
+pub const ADD_DEADLINE: Duration = Duration::from_secs(110);
+/// After an ADD runs out of time, what it took is released within this budget (the total stays
+/// within upstream's two minutes), so a timed-out ADD leaves no claim behind.
+pub const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
+pub const OTHER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Runs a command within its deadline; an ADD cut off mid-way releases what it took.
+pub async fn handle_within<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Option<Reply>, CniError> {
+    let deadline = if req.command == Command::Add {
+        ADD_DEADLINE
+    } else {
+        OTHER_DEADLINE
+    };
+    if let Ok(result) = tokio::time::timeout(deadline, handle_with(store, alloc, req)).await {
+        return result;
+    }
+    if req.command == Command::Add {
+        // Cut off before its own all-or-nothing rollback: release whatever this attachment
+        // holds, as a DEL would.
+        let del = Request {
+            command: Command::Del,
+            ..req.clone()
+        };
+        if let Err(e) | Ok(Err(e)) = tokio::time::timeout(ROLLBACK_BUDGET, handle(store, &del))
+            .await
+            .map_err(|_| CniError::new(Code::TryAgainLater, "rollback timed out"))
+        {
+            tracing::error!(error = %e.msg, "could not roll back a timed-out ADD; the operator's audit will release it");
+        }
+    }
+    Err(CniError::new(
+        Code::TryAgainLater,
+        format!(
+            "{:?} did not finish within {}s",
+            req.command,
+            deadline.as_secs()
+        ),
+    ))
+}
+
+/// Runs a command. `Ok(Some(json))` is printed on stdout; `Ok(None)` prints nothing.
+pub async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Reply>, CniError> {
+    handle_with(store, &Direct, req).await
+}
+
+/// [`handle`], with ADD's addresses claimed by `alloc`.
+pub async fn handle_with<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Option<Reply>, CniError> {
+    match req.command {
+        Command::Add => add(store, alloc, req).await.map(Some),
+        Command::Del => del(store, alloc, req).await.map(|_| None),
+        Command::Check => check(store, req).await.map(|_| None),
+        Command::Gc => gc(store, req).await.map(|_| None),
+        Command::Status => status(store).await.map(|_| None),
+        Command::Version => Ok(Some(version_reply())),
+    }
+}
+
+/// Allocates one address per range, in order; all or nothing.
+async fn add<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<Reply, CniError> {
+    let mut ips = Vec::with_capacity(req.targets.len());
+    for (i, target) in req.targets.iter().enumerate() {
+        match alloc.allocate(store, target, &req.attachment).await {
+            Ok(a) => {
+                tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+                ips.push(IpResult {
+                    address: ipnet::IpNet::new(a.ip, target.range.cidr().prefix_len())
+                        .expect("prefix of the range"),
+                    gateway: gateway_for(req, a.ip),
+                });
+            }
+            Err(e) => {
+                rollback(store, alloc, req, i).await;
+                return Err(alloc_error(e));
+            }
+        }
+    }
+    ips.extend(static_addresses(req));
+    // Cannot fail: `load` checked the result's shape before anything was allocated.
+    render_result(
+        &req.conf.cni_version,
+        &ips,
+        &req.ipam.routes,
+        req.ipam.dns.as_ref(),
+    )
+}
+
+/// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
+async fn rollback<S: Store, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
+    for target in &req.targets[..upto] {
+        if let Err(e) = alloc.release(store, target, &req.attachment).await {
+            tracing::error!(pool = %target.pool, error = %e, "could not roll back a partial ADD; the audit will release it");
+        }
+    }
+}
+
+fn gateway_for(req: &Request, ip: IpAddr) -> Option<IpAddr> {
+    req.ipam.gateway.filter(|gw| gw.is_ipv4() == ip.is_ipv4())
+}
+
+fn static_addresses(req: &Request) -> Vec<IpResult> {
+    let from_config = req.ipam.addresses.iter().map(|a| IpResult {
+        address: a.address,
+        gateway: a.gateway,
+    });
+    let from_args = req.args.ips.iter().map(|net| IpResult {
+        address: *net,
+        gateway: req
+            .args
+            .gateways
+            .iter()
+            .copied()
+            .find(|gw| net.contains(gw)),
+    });
+    from_config.chain(from_args).collect()
+}
+
+fn alloc_error(e: AllocError) -> CniError {
+    match &e {
+        AllocError::Exhausted { .. } | AllocError::PoolFull { .. } => {
+            CniError::new(Code::Exhausted, e.to_string())
+        }
+        // Defence in depth: the estimate missed (metadata larger than allowed for), and etcd
+        // refused the write. Retrying cannot help.
+        AllocError::Store(s) if s.is_too_large() => CniError::new(
+            Code::Exhausted,
+            format!("datastore: {s}: the pool has grown past the largest object the API server can store; split the range into smaller ranges or use node slices (docs/reliability.md, Limits)"),
+        )
+        .with_details(s.kind()),
+        AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
+            CniError::new(Code::TryAgainLater, e.to_string())
+        }
+        AllocError::Store(s) => {
+            CniError::new(Code::TryAgainLater, format!("datastore: {s}")).with_details(s.kind())
+        }
+    }
+}
+
+/// Releases every range; a failing range does not stop the others, and any failure is reported
+/// so the runtime retries (a second DEL is harmless).
+async fn del<S: Store, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+) -> Result<(), CniError> {
+    let mut failures = Vec::new();
+    for target in &req.targets {
+        match alloc.release(store, target, &req.attachment).await {
+            Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
+            Err(e) => failures.push(format!("{}: {e}", target.pool)),
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(CniError::new(
+            Code::TryAgainLater,
+            format!("datastore: {}", failures.join("; ")),
+        ))
+    }
+}
+
+/// Checks that every range holds an entry for this attachment whose address is in `prevResult`.
+async fn check<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
+    let prev: Vec<IpAddr> = req
+        .conf
+        .value
+        .pointer("/prevResult/ips")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.get("address")?.as_str()?.parse::<ipnet::IpNet>().ok())
+        .map(|n| n.addr())
+        .collect();
+    let mismatch = |msg: String| CniError::new(Code::CheckMismatch, msg);
+    for range in &req.ipam.ranges {
+        let pool = store
+            .get_pool(&range.pool_name)
+            .await
+            .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
+        let held = pool
+            .as_ref()
+            .and_then(|p| {
+                p.allocations.iter().find(|(_, e)| {
+                    e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
+                })
+            })
+            .and_then(|(o, _)| range.range.addr_at(*o));
+        match held {
+            None => {
+                return Err(mismatch(format!(
+                    "pool {} holds no address for container {} interface {}",
+                    range.pool_name, req.attachment.container_id, req.attachment.ifname
+                )));
+            }
+            Some(ip) if !prev.contains(&ip) => {
+                return Err(mismatch(format!(
+                    "pool {} holds {ip} for this attachment, prevResult has {prev:?}",
+                    range.pool_name
+                )));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// CNI 1.1 GC: releases entries of this network's pools whose attachment is not in
+/// `cni.dev/valid-attachments` *and* whose pod no longer exists. The list a runtime passes covers
+/// its own node only, so the pod check is what keeps other nodes' live pods safe.
+async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
+    let valid = valid_attachments(&req.conf.value)?;
+    let retry =
+        |e: crate::store::StoreError| CniError::new(Code::TryAgainLater, format!("datastore: {e}"));
+    let mut pods = None;
+    let mut released = 0;
+    for target in &req.targets {
+        let Some(pool) = store.get_pool(&target.pool).await.map_err(retry)? else {
+            continue;
+        };
+        let unknown: Vec<_> = pool
+            .allocations
+            .iter()
+            .filter(|(_, e)| !valid.contains(&(e.id.clone(), e.ifname.clone())))
+            .map(|(o, e)| (*o, e.clone()))
+            .collect();
+        if unknown.is_empty() {
+            continue;
+        }
+        if pods.is_none() {
+            pods = Some(store.pod_uids().await.map_err(retry)?);
+        }
+        let pods = pods.as_ref().expect("loaded above");
+        let gone: Vec<_> = unknown
+            .into_iter()
+            .filter(|(_, e)| crate::ownership::is_stale(e, pods))
+            .collect();
+        released += Engine::new(store, target)
+            .release_entries(&gone)
+            .await
+            .map_err(retry)?
+            .len();
+    }
+    tracing::info!(released, "gc");
+    Ok(released)
+}
+
+fn valid_attachments(conf: &Value) -> Result<HashSet<(String, String)>, CniError> {
+    let list = conf
+        .get("cni.dev/valid-attachments")
+        .and_then(Value::as_array)
+        .ok_or_else(|| {
+            CniError::new(
+                Code::InvalidConfig,
+                "GC needs cni.dev/valid-attachments in the network config",
+            )
+        })?;
+    list.iter()
+        .map(|a| {
+            let id = a.get("containerID").and_then(Value::as_str);
+            let ifname = a.get("ifname").and_then(Value::as_str);
+            match (id, ifname) {
+                (Some(id), Some(ifname)) => Ok((id.to_owned(), ifname.to_owned())),
+                _ => Err(CniError::new(
+                    Code::InvalidConfig,
+                    format!("cni.dev/valid-attachments entry {a} needs containerID and ifname"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// STATUS: ready when the datastore answers.
+async fn status<S: Store>(store: &S) -> Result<(), CniError> {
+    store
+        .get_pool("whereabouts-status-probe")
+        .await
+        .map(|_| ())
+        .map_err(|e| CniError::new(Code::NotAvailable, format!("datastore unreachable: {e}")))
+}

@@ -1,0 +1,264 @@
+//! One invocation of the plugin as the runtime made it, read once: the `CNI_*` environment, the
+//! network config on stdin (parsed once), the node's flat file (found and read once) and the two
+//! merged (once). Logging, the node agent hand-off and the command all work from this.
+//!
+//! [`Invocation::load`] validates it into a [`Request`]; every failure is a CNI error naming the
+//! variable or field and its value.
+
+use serde_json::{Map, Value};
+
+use super::protocol::{CniArgs, CniError, Code, Command, check_version};
+use crate::alloc::{Attachment, Target};
+use crate::config::netconf::one_address_per_family;
+use crate::config::{
+    IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat, problem,
+    result_shape_problem, validate_ipam,
+};
+
+/// Everything a command needs, validated.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub command: Command,
+    pub attachment: Attachment,
+    pub args: CniArgs,
+    pub conf: NetConf,
+    pub ipam: IpamConfig,
+    /// What each range's address is allocated from, in the order of `ipam.ranges`.
+    pub targets: Vec<Target>,
+}
+
+/// The engine's target of one configured range.
+pub fn target(range: &RangeConfig, ipam: &IpamConfig) -> Target {
+    Target {
+        pool: range.pool_name.clone(),
+        range: range.range.clone(),
+        network: ipam.network_name.clone(),
+        overlapping: ipam.enable_overlapping_ranges,
+    }
+}
+
+/// Where the flat file comes from.
+#[derive(Debug, Clone)]
+pub enum FlatSource {
+    /// The standard lookup: `configuration_path`, then the well-known paths.
+    Lookup,
+    /// These paths, in order.
+    Paths(Vec<std::path::PathBuf>),
+    /// Already read: what the plugin found on the node and forwarded to the node agent.
+    Found(Option<flat::FlatFile>),
+}
+
+/// `log_file` and `log_level` of the merged config.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Logging {
+    pub file: Option<String>,
+    pub level: Option<String>,
+}
+
+/// What the runtime passed, read and parsed once (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Invocation {
+    container_id: String,
+    ifname: String,
+    cni_args: String,
+    /// The network config, or why it is not one.
+    conf: Result<NetConf, CniError>,
+    /// The node's flat file, if any, or why it could not be read.
+    flat_file: Result<Option<flat::FlatFile>, CniError>,
+    /// The ipam object the plugin was called for (with its path), the flat file merged in.
+    ipam: Option<(String, Value)>,
+    /// The network config named an `agent_socket`, which only the node's flat file may.
+    ignored_agent_socket: bool,
+}
+
+impl Invocation {
+    /// Reads an invocation: `env` looks up the runtime's variables, `stdin` is the network config.
+    pub fn read(env: &dyn Fn(&str) -> Option<String>, stdin: &str, flat: FlatSource) -> Self {
+        let conf = NetConf::parse(stdin, "network config")
+            .map_err(|p| CniError::new(Code::Decode, p.to_string()));
+        let runtime_ipam = conf.as_ref().ok().and_then(NetConf::runtime_ipam);
+        let configuration_path = runtime_ipam
+            .as_ref()
+            .and_then(|(_, ipam)| ipam.get("configuration_path")?.as_str());
+        let flat_file = find_flat_file(flat, configuration_path);
+        let mut ignored_agent_socket = false;
+        let ipam = runtime_ipam.map(|(path, ipam)| {
+            let merged = merge(ipam, flat_file.as_ref().ok(), &mut ignored_agent_socket);
+            (path, merged)
+        });
+        let var = |k: &str| env(k).unwrap_or_default();
+        Invocation {
+            container_id: var("CNI_CONTAINERID"),
+            ifname: var("CNI_IFNAME"),
+            cni_args: var("CNI_ARGS"),
+            conf,
+            flat_file,
+            ipam,
+            ignored_agent_socket,
+        }
+    }
+
+    /// The flat file this invocation merged (none is fine: the flat file is optional).
+    pub fn flat_file(&self) -> Result<Option<flat::FlatFile>, CniError> {
+        self.flat_file.clone()
+    }
+
+    /// The `cniVersion` an error reply carries: the config's own text, empty when there is none.
+    pub fn error_version(&self) -> &str {
+        let conf = self.conf.as_ref().ok();
+        conf.and_then(|c| c.value.get("cniVersion")?.as_str())
+            .unwrap_or_default()
+    }
+
+    /// `log_file` and `log_level` from the merged config, known even when the config is invalid
+    /// (so that logging is set up before its errors are reported).
+    pub fn logging(&self) -> Logging {
+        let text = |k: &str| {
+            let (_, ipam) = self.ipam.as_ref()?;
+            let value = ipam.get(k)?.as_str()?;
+            (!value.is_empty()).then(|| value.to_owned())
+        };
+        Logging {
+            file: text("log_file"),
+            level: text("log_level"),
+        }
+    }
+
+    /// Validates the invocation for `command` (not VERSION, which needs none of this).
+    pub fn load(&self, command: Command) -> Result<Request, CniError> {
+        let conf = self.conf.clone()?;
+        check_version(&conf)?;
+        let Some((prefix, merged)) = &self.ipam else {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                "network config has no ipam object",
+            ));
+        };
+        // Only an object is merged with the flat file (anything else is refused below).
+        if merged.is_object() {
+            self.flat_file.as_ref().map_err(Clone::clone)?;
+        }
+        if self.ignored_agent_socket {
+            tracing::warn!(
+                "ipam.agent_socket is taken from the node's flat file only; the network config's is ignored"
+            );
+        }
+        let ipam = validated(merged, prefix)?;
+        let args = CniArgs::parse(&self.cni_args)?;
+        check_result_shape(&conf.cni_version, prefix, &ipam, &args)?;
+        let attachment = Attachment {
+            container_id: self.container_id.clone(),
+            ifname: self.ifname.clone(),
+            podref: args.podref(),
+            pod_uid: args.pod_uid.clone(),
+        };
+        require_env(command, &attachment)?;
+        let targets = ipam.ranges.iter().map(|r| target(r, &ipam)).collect();
+        Ok(Request {
+            command,
+            attachment,
+            args,
+            conf,
+            ipam,
+            targets,
+        })
+    }
+}
+
+fn find_flat_file(
+    source: FlatSource,
+    configuration_path: Option<&str>,
+) -> Result<Option<flat::FlatFile>, CniError> {
+    let paths = match source {
+        FlatSource::Found(found) => return Ok(found),
+        FlatSource::Paths(paths) => paths,
+        FlatSource::Lookup => flat::candidates(configuration_path),
+    };
+    flat::load(&paths).map_err(|p| CniError::new(Code::InvalidConfig, p.to_string()))
+}
+
+/// The ipam object with the flat file merged in. Which socket root's plugin trusts for its
+/// results is the node's decision, not a network config's (anyone who may write a NAD could
+/// otherwise point it at a socket of their own): the config's `agent_socket` is dropped.
+fn merge(ipam: &Value, flat_file: Option<&Option<flat::FlatFile>>, dropped: &mut bool) -> Value {
+    let Some(obj) = ipam.as_object() else {
+        return ipam.clone();
+    };
+    let mut merged: Map<String, Value> = obj.clone();
+    *dropped = merged.remove("agent_socket").is_some();
+    if let Some(Some((path, flat_conf))) = flat_file {
+        tracing::debug!(path = %path.display(), "merging flat file");
+        flat::merge(&mut merged, flat_conf);
+    }
+    Value::Object(merged)
+}
+
+fn validated(merged: &Value, prefix: &str) -> Result<IpamConfig, CniError> {
+    let validated = validate_ipam(merged, prefix, Source::Runtime);
+    for w in &validated.warnings {
+        tracing::warn!("{w}");
+    }
+    validated.config.ok_or_else(|| {
+        CniError::new(
+            Code::InvalidConfig,
+            format!(
+                "invalid whereabouts config: {}",
+                problem::join(&validated.errors)
+            ),
+        )
+    })
+}
+
+fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
+    if !matches!(command, Command::Add | Command::Del | Command::Check) {
+        return Ok(());
+    }
+    let missing = |name: &str| CniError::new(Code::InvalidEnv, format!("{name} is not set"));
+    if a.container_id.is_empty() {
+        return Err(missing("CNI_CONTAINERID"));
+    }
+    if a.ifname.is_empty() {
+        return Err(missing("CNI_IFNAME"));
+    }
+    if command == Command::Add && a.podref.is_empty() {
+        return Err(CniError::new(
+            Code::InvalidEnv,
+            "CNI_ARGS has no K8S_POD_NAME/K8S_POD_NAMESPACE: whereabouts records the pod of every address",
+        ));
+    }
+    Ok(())
+}
+
+/// 0.1.0 and 0.2.0 results hold one address per family: refuse a config, or CNI_ARGS `IP=`, that
+/// would give more, before anything is allocated (the validator refuses such a NAD alike).
+fn check_result_shape(
+    cni_version: &str,
+    prefix: &str,
+    ipam: &IpamConfig,
+    args: &CniArgs,
+) -> Result<(), CniError> {
+    if let Some(p) = result_shape_problem(cni_version, prefix, ipam) {
+        return Err(CniError::new(
+            Code::InvalidConfig,
+            format!("invalid whereabouts config: {p}"),
+        ));
+    }
+    if args.ips.is_empty() || !one_address_per_family(cni_version) {
+        return Ok(());
+    }
+    let mut with_args = ipam.clone();
+    with_args
+        .addresses
+        .extend(args.ips.iter().map(|ip| StaticAddress {
+            address: *ip,
+            gateway: None,
+        }));
+    match result_shape_problem(cni_version, prefix, &with_args) {
+        Some(p) => Err(args_problem(p)),
+        None => Ok(()),
+    }
+}
+
+fn args_problem(p: Problem) -> CniError {
+    CniError::new(Code::InvalidEnv, format!("CNI_ARGS IP: {p}"))
+}

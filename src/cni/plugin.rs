@@ -1,0 +1,134 @@
+//! The plugin process: reads the runtime's invocation, hands it to the node agent when one
+//! listens at `agent_socket` (it keeps one API connection and allocates concurrent ADDs in
+//! groups) or runs it here, and prints the reply or the CNI error on stdout. Logs go to stderr
+//! and the configured `log_file`, never to stdout.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::commands::{ADD_DEADLINE, ROLLBACK_BUDGET, handle_within};
+use super::handoff::{AgentReply, AgentRequest, client};
+use super::invocation::{FlatSource, Invocation, Logging, Request};
+use super::protocol::{CniError, Code, Command};
+use super::reply::version_reply;
+use crate::alloc::Direct;
+use crate::store::kube::KubeStore;
+
+/// The plugin's `main`.
+pub fn run() -> ExitCode {
+    let env = |k: &str| std::env::var(k).ok();
+    let command = match Command::parse(&env("CNI_COMMAND").unwrap_or_default()) {
+        Ok(c) => c,
+        Err(e) => return fail(&e, ""),
+    };
+    if command == Command::Version {
+        println!("{}", version_reply());
+        return ExitCode::SUCCESS;
+    }
+    let mut stdin = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut stdin) {
+        let e = CniError::new(Code::IoFailure, format!("reading stdin: {e}"));
+        return fail(&e, "");
+    }
+    let inv = Invocation::read(&env, &stdin, FlatSource::Lookup);
+    init_logging(&inv.logging());
+    match execute(command, &inv, &stdin) {
+        Ok(output) => {
+            if let Some(out) = output {
+                println!("{out}");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(&e, inv.error_version()),
+    }
+}
+
+/// Runs the command: by the node agent if the node has one that takes it, else here.
+fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Value>, CniError> {
+    // An unreadable flat file is reported first, once logging is set up from the config.
+    let flat_file = inv.flat_file()?;
+    let req = inv.load(command)?;
+    if let Some(socket) = req.ipam.agent_socket.as_deref() {
+        // As `env` above: a variable that is not UTF-8 counts as unset (`vars()` would panic).
+        let vars = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        let request = AgentRequest::new(vars, stdin, flat_file);
+        let wait = ADD_DEADLINE + ROLLBACK_BUDGET + Duration::from_secs(5);
+        match client::call(Path::new(socket), &request, wait)? {
+            Some(AgentReply::Done { output }) => return Ok(output),
+            Some(AgentReply::Failed { code, msg, details }) => {
+                return Err(CniError::new(Code::from_number(code), msg).with_details(details));
+            }
+            Some(AgentReply::Direct { reason }) => {
+                tracing::debug!(%reason, "the node agent handed the request back");
+            }
+            None => {}
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let reply = runtime.block_on(run_here(&req))?;
+    Ok(reply.map(|r| r.to_value()))
+}
+
+async fn run_here(req: &Request) -> Result<Option<super::Reply>, CniError> {
+    let store = connect(req.ipam.kubeconfig.as_deref()).await?;
+    handle_within(&store, &Direct, req).await
+}
+
+async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {
+    let unavailable = |what: String| CniError::new(Code::TryAgainLater, what);
+    let (mut config, namespace) = crate::kubeconfig::load(kubeconfig)
+        .await
+        .map_err(|e| unavailable(e.to_string()))?;
+    config.connect_timeout = Some(Duration::from_secs(10));
+    config.read_timeout = Some(Duration::from_secs(30));
+    let client = kube::Client::try_from(config)
+        .map_err(|e| unavailable(format!("kubernetes client: {e}")))?;
+    Ok(KubeStore::new(client, &namespace))
+}
+
+/// Logging follows `log_file`/`log_level` of the (merged) config; before the config is known, and
+/// when it is invalid, errors still reach stderr.
+fn init_logging(settings: &Logging) {
+    // The config's level applies to our own crate; libraries stay at warn (their debug output
+    // would bury ours).
+    let level = match settings.level.as_deref() {
+        Some("debug") => "debug",
+        Some("verbose") => "info",
+        _ => "error",
+    };
+    let filter = tracing_subscriber::EnvFilter::new(format!("warn,whereabouts={level}"));
+    let file = settings.file.as_ref().and_then(|path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .ok()
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_target(false);
+    match file {
+        Some(f) => {
+            use tracing_subscriber::fmt::writer::MakeWriterExt;
+            builder
+                .with_writer(std::io::stderr.and(std::sync::Mutex::new(f)))
+                .init();
+        }
+        None => builder.with_writer(std::io::stderr).init(),
+    }
+}
+
+fn fail(e: &CniError, version: &str) -> ExitCode {
+    tracing::error!(code = e.code.number(), "{}", e.msg);
+    println!("{}", e.to_json(version));
+    ExitCode::FAILURE
+}
