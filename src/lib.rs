@@ -14,7 +14,7 @@ pub mod crd;
 pub mod ipam;
 pub mod kubeconfig;
 pub mod metrics;
+pub mod nad_check;
 pub mod ownership;
 pub mod store;
-pub mod validate;
 pub mod webhook;

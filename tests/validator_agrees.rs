@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{Command, code};
 use whereabouts::cni::{FlatSource, Invocation, load};
-use whereabouts::validate::check_spec_config;
+use whereabouts::nad_check::check_spec_config;
 
 /// The plugin's verdict: `Ok` or the CNI error code and message.
 fn plugin(config: &str) -> Result<(), (u32, String)> {

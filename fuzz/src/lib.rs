@@ -7,7 +7,7 @@
 
 use whereabouts::cni::protocol::{CniError, Command, code};
 use whereabouts::cni::{FlatSource, Invocation, Request, load};
-use whereabouts::validate::NadCheck;
+use whereabouts::nad_check::NadCheck;
 
 pub const SEPARATOR: u8 = 0x1E;
 
