@@ -79,8 +79,8 @@ fn installs_binary_flat_file_and_kubeconfig_with_their_modes() {
         host.join("etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig")
     );
     assert_eq!(mode(&t.kubeconfig), 0o600);
-    let kc: serde_yaml::Value =
-        serde_yaml::from_slice(&std::fs::read(&t.kubeconfig).unwrap()).unwrap();
+    let kc: serde_json::Value =
+        serde_saphyr::from_slice(&std::fs::read(&t.kubeconfig).unwrap()).unwrap();
     assert_eq!(kc["current-context"], "whereabouts");
     assert_eq!(kc["users"][0]["user"]["token"], "token-one");
     assert_eq!(

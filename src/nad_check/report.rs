@@ -5,6 +5,7 @@ use std::fmt;
 
 use serde::Serialize;
 use serde_json::Value;
+use serde_saphyr::Spanned;
 
 use super::{NadCheck, RangeIndex, SPEC_CONFIG, check_spec_config, message, overlap_warnings};
 use crate::config::Problem;
@@ -98,31 +99,62 @@ pub struct ReadError {
     pub file: String,
     pub document: usize,
     #[source]
-    pub source: serde_yaml::Error,
+    pub source: Box<serde_saphyr::Error>,
 }
 
 /// Reads every NAD of a YAML (multi-document) or JSON text and checks it; other kinds are skipped.
 /// `List` documents (as `kubectl get -o yaml` prints them) are opened.
 pub fn check_text(file: &str, text: &str) -> Result<Vec<CheckedNad>, ReadError> {
+    let starts = document_starts(text);
+    // Which document a line is in: the number of documents begun at or before it.
+    let document = |line: u64| starts.partition_point(|&s| s <= line).max(1);
     let mut out = Vec::new();
-    for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let document = i + 1;
-        let value = serde_yaml::Value::deserialize(doc).map_err(|source| ReadError {
+    let mut input = text.as_bytes();
+    for doc in serde_saphyr::read_with_options::<_, Spanned<Value>>(&mut input, read_options()) {
+        let doc = doc.map_err(|source| ReadError {
             file: file.to_owned(),
-            document,
-            source,
+            document: source
+                .location()
+                .map_or(starts.len().max(1), |l| document(l.line())),
+            source: Box::new(source),
         })?;
-        let value: Value = match serde_json::to_value(&value) {
-            Ok(v) => v,
-            // YAML with non-string keys and the like: not a Kubernetes object.
-            Err(_) => continue,
-        };
-        collect(file, document, &value, &mut out);
+        collect(file, document(doc.referenced.line()), &doc.value, &mut out);
     }
     Ok(out)
 }
 
-use serde::Deserialize as _;
+/// The line each document of `text` begins on, empty documents included, up to a syntax error.
+/// serde-saphyr skips empty documents when it reads a stream, but a document's number counts
+/// them, as a person counting `---` does (and as the offline command always has).
+fn document_starts(text: &str) -> Vec<u64> {
+    let mut parser = serde_saphyr::granit_parser::Parser::new_from_str(text);
+    let mut starts = Vec::new();
+    while let Some(Ok((event, span))) = parser.next_event() {
+        if let serde_saphyr::granit_parser::Event::DocumentStart(..) = event {
+            starts.push(span.start.line() as u64);
+        }
+    }
+    starts
+}
+
+/// Plain scalars read as YAML 1.2's core schema has them, as Kubernetes reads a manifest: `yes`,
+/// `on`, `010` and `1_000` stay strings, `.inf` and `.nan` are numbers (JSON's null). The budget
+/// is lifted to what the offline command always read: a `List` of every NAD of a large cluster is
+/// one document of millions of nodes; nesting stays bounded, at 128 levels.
+fn read_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        strict_booleans: true,
+        leading_zero_numbers_as_strings: true,
+        underscored_numbers_as_strings: true,
+        non_finite_float_policy: serde_saphyr::NonFiniteFloatPolicy::PassThrough,
+        budget: serde_saphyr::budget! {
+            max_events: usize::MAX,
+            max_nodes: usize::MAX,
+            max_total_scalar_bytes: usize::MAX,
+            max_depth: 128,
+        },
+    }
+}
 
 fn collect(file: &str, document: usize, value: &Value, out: &mut Vec<CheckedNad>) {
     let kind = value
@@ -223,6 +255,25 @@ pub fn findings(nads: &[CheckedNad]) -> Vec<Finding> {
 mod tests {
     use super::*;
     use crate::nad_check::tests::nad;
+
+    /// Empty documents (a template that rendered nothing, a comment alone) count, as they always
+    /// did, so a finding's number is the one a person counting `---` arrives at; so does the
+    /// document a syntax error is in.
+    #[test]
+    fn empty_documents_count_and_errors_name_their_document() {
+        let b = nad(
+            "b",
+            r#"{"type":"macvlan","ipam":{"type":"whereabouts","range":"10.0.0.0/24"}}"#,
+        );
+        let text = format!("# Source: chart/a.yaml\n---\n# Source: chart/b.yaml\n---\n{b}\n");
+        let nads = check_text("f.yaml", &text).unwrap();
+        assert_eq!(nads.len(), 1);
+        assert_eq!(nads[0].document, 2);
+        let text = format!("{b}\n---\n---\nkind: [unclosed\n");
+        let err = check_text("f.yaml", &text).unwrap_err();
+        assert_eq!(err.document, 3, "{err}");
+        assert!(err.to_string().starts_with("f.yaml: document 3: "), "{err}");
+    }
 
     #[test]
     fn documents_lists_and_other_kinds() {
