@@ -4,8 +4,9 @@
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 
+use base64::Engine as _;
 use whereabouts::cli::install_cni::{
-    InstallCniArgs, Report, TEMP_PREFIX, base64, install_once, remove_stale_temps, write_atomic,
+    CA_DATA, InstallCniArgs, Report, TEMP_PREFIX, install_once, remove_stale_temps, write_atomic,
 };
 
 const CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
@@ -79,8 +80,8 @@ fn installs_binary_flat_file_and_kubeconfig_with_their_modes() {
         host.join("etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig")
     );
     assert_eq!(mode(&t.kubeconfig), 0o600);
-    let kc: serde_yaml::Value =
-        serde_yaml::from_slice(&std::fs::read(&t.kubeconfig).unwrap()).unwrap();
+    let kc: serde_json::Value =
+        serde_saphyr::from_slice(&std::fs::read(&t.kubeconfig).unwrap()).unwrap();
     assert_eq!(kc["current-context"], "whereabouts");
     assert_eq!(kc["users"][0]["user"]["token"], "token-one");
     assert_eq!(
@@ -89,7 +90,7 @@ fn installs_binary_flat_file_and_kubeconfig_with_their_modes() {
     );
     assert_eq!(
         kc["clusters"][0]["cluster"]["certificate-authority-data"],
-        base64(CA.as_bytes()).as_str()
+        CA_DATA.encode(CA.as_bytes()).as_str()
     );
     assert_eq!(kc["contexts"][0]["context"]["namespace"], "kube-system");
 
@@ -125,8 +126,9 @@ fn rewrites_only_what_changed() {
             ..Report::default()
         }
     );
-    let kc = std::fs::read_to_string(&t.kubeconfig).unwrap();
-    assert!(kc.contains("token: \"token-two\""), "{kc}");
+    let kc: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&t.kubeconfig).unwrap()).unwrap();
+    assert_eq!(kc["users"][0]["user"]["token"], "token-two", "{kc}");
     assert_eq!(
         std::fs::metadata(&t.binary).unwrap().modified().unwrap(),
         before

@@ -23,7 +23,7 @@ fn config_crd_is_a_copy_of_crds() {
 #[test]
 fn the_agent_container_is_probed_on_its_admin_port() {
     use clap::Parser as _;
-    use serde_yaml::Value;
+    use serde_json::Value;
 
     #[derive(clap::Parser)]
     struct Cli {
@@ -33,16 +33,16 @@ fn the_agent_container_is_probed_on_its_admin_port() {
 
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("config/cni/daemonset.yaml")).unwrap();
-    let ds: Value = serde_yaml::from_str(&text).unwrap();
+    let ds: Value = serde_saphyr::from_str(&text).unwrap();
     let containers = ds["spec"]["template"]["spec"]["containers"]
-        .as_sequence()
+        .as_array()
         .unwrap();
     let agent = containers
         .iter()
         .find(|c| c["name"] == "agent")
         .expect("an agent container");
     let args: Vec<&str> = agent["args"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .map(|a| a.as_str().unwrap())
@@ -52,9 +52,7 @@ fn the_agent_container_is_probed_on_its_admin_port() {
         .unwrap_or_else(|e| panic!("the agent's args do not parse: {e}"));
     let listens = cli.agent.admin_addr.port();
 
-    let ports = agent["ports"]
-        .as_sequence()
-        .expect("the agent declares ports");
+    let ports = agent["ports"].as_array().expect("the agent declares ports");
     let port_of = |name: &Value| -> u64 {
         if let Some(n) = name.as_u64() {
             return n;

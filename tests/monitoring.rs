@@ -107,25 +107,25 @@ fn the_issue_metric_names_are_all_defined() {
 /// container's metrics port.
 #[test]
 fn the_pod_monitor_selects_the_agent_and_its_port() {
-    use serde_yaml::Value;
+    use serde_json::Value;
     let read = |path: &str| -> Value {
         let text =
             std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap();
-        serde_yaml::from_str(&text).unwrap()
+        serde_saphyr::from_str(&text).unwrap()
     };
     let monitor = read("config/monitoring/podmonitor.yaml");
     let ds = read("config/cni/daemonset.yaml");
     let kustomization = read("config/monitoring/kustomization.yaml");
     assert!(
         kustomization["resources"]
-            .as_sequence()
+            .as_array()
             .unwrap()
             .contains(&Value::from("podmonitor.yaml")),
         "podmonitor.yaml is not in the kustomization"
     );
     let template = &ds["spec"]["template"];
     let wanted = monitor["spec"]["selector"]["matchLabels"]
-        .as_mapping()
+        .as_object()
         .unwrap();
     assert!(!wanted.is_empty());
     for (k, v) in wanted {
@@ -136,19 +136,16 @@ fn the_pod_monitor_selects_the_agent_and_its_port() {
         ds["metadata"]["namespace"]
     );
     let agent = template["spec"]["containers"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .find(|c| c["name"] == "agent")
         .unwrap();
-    for endpoint in monitor["spec"]["podMetricsEndpoints"]
-        .as_sequence()
-        .unwrap()
-    {
+    for endpoint in monitor["spec"]["podMetricsEndpoints"].as_array().unwrap() {
         let port = &endpoint["port"];
         assert!(
             agent["ports"]
-                .as_sequence()
+                .as_array()
                 .unwrap()
                 .iter()
                 .any(|p| &p["name"] == port),

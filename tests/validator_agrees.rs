@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{Code, Command};
 use whereabouts::cni::{FlatSource, Invocation};
-use whereabouts::validate::check_spec_config;
+use whereabouts::nad_check::check_spec_config;
 
 /// The plugin's verdict: `Ok` or the CNI error code and message.
 fn plugin(config: &str) -> Result<(), (Code, String)> {

@@ -18,7 +18,7 @@ use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 use whereabouts::crd::{NetworkAttachmentDefinition, NetworkAttachmentDefinitionSpec};
-use whereabouts::validate::check_spec_config;
+use whereabouts::nad_check::check_spec_config;
 use whereabouts::webhook::{self, NadSource, WebhookState, admission};
 use whereabouts_fuzz::parts;
 

@@ -11,7 +11,7 @@
 use libfuzzer_sys::fuzz_target;
 use whereabouts::cni::FlatSource;
 use whereabouts::cni::protocol::{CniArgs, Code, Command};
-use whereabouts::validate::check_spec_config;
+use whereabouts::nad_check::check_spec_config;
 use whereabouts_fuzz::{
     assert_cni_error, assert_validator_agrees, env_text, good_env, parts, plugin_load,
 };

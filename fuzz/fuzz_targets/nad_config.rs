@@ -2,7 +2,7 @@
 //! `whereabouts-operator validate` judge it.
 //!
 //! Input: the `spec.config` text alone (raw path), or `spec.config 0x1E YAML` where the second
-//! part is a file for the offline command (`validate::check_text`). Asserts: every problem names
+//! part is a file for the offline command (`nad_check::check_text`). Asserts: every problem names
 //! a path and a reason; a config that is not whereabouts gets no verdict; a valid one has a range
 //! or leaves it to the flat file; the validator and the plugin agree; the offline report over the
 //! config's NAD says the same as the check of its `spec.config`.
@@ -10,7 +10,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::json;
-use whereabouts::validate::{
+use whereabouts::nad_check::{
     NadCheck, RangeIndex, check_object, check_spec_config, check_text, findings, message,
     overlap_warnings,
 };

@@ -7,7 +7,7 @@
 
 use whereabouts::cni::protocol::{CniError, Code, Command};
 use whereabouts::cni::{FlatSource, Invocation, Request};
-use whereabouts::validate::NadCheck;
+use whereabouts::nad_check::NadCheck;
 
 pub const SEPARATOR: u8 = 0x1E;
 

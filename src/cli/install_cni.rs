@@ -18,6 +18,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
+use base64::Engine as _;
+use kube::config::{
+    AuthInfo, Cluster, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext,
+};
 
 use super::run::parse_duration;
 
@@ -301,57 +305,56 @@ pub fn kubeconfig(args: &InstallCniArgs) -> anyhow::Result<String> {
         }
     };
     let server = api_server(args)?;
-    // JSON strings are valid YAML double-quoted scalars: no quoting surprises.
-    let q = |s: &str| serde_json::Value::from(s).to_string();
+    let name = || "whereabouts".to_owned();
+    let config = Kubeconfig {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Config".to_owned()),
+        clusters: vec![NamedCluster {
+            name: name(),
+            cluster: Some(Cluster {
+                server: Some(server),
+                certificate_authority_data: Some(CA_DATA.encode(&ca)),
+                ..Cluster::default()
+            }),
+            ..NamedCluster::default()
+        }],
+        auth_infos: vec![NamedAuthInfo {
+            name: name(),
+            auth_info: Some(AuthInfo {
+                token: Some(token.into()),
+                ..AuthInfo::default()
+            }),
+            ..NamedAuthInfo::default()
+        }],
+        contexts: vec![NamedContext {
+            name: name(),
+            context: Some(Context {
+                cluster: name(),
+                user: Some(name()),
+                namespace: Some(namespace),
+                ..Context::default()
+            }),
+            ..NamedContext::default()
+        }],
+        current_context: Some(name()),
+        ..Kubeconfig::default()
+    };
+    // Plain scalars, not folded blocks: the token and the CA data are long single words.
+    let yaml = serde_saphyr::to_string_with_options(
+        &config,
+        serde_saphyr::ser_options! { prefer_block_scalars: false },
+    )
+    .context("serialise the kubeconfig")?;
     Ok(format!(
         "# Written by whereabouts-operator install-cni for the whereabouts CNI plugin; rewritten when\n\
          # the ServiceAccount token or the CA changes.\n\
-         apiVersion: v1\n\
-         kind: Config\n\
-         clusters:\n\
-         - name: whereabouts\n\
-         \x20 cluster:\n\
-         \x20   server: {server}\n\
-         \x20   certificate-authority-data: {ca}\n\
-         users:\n\
-         - name: whereabouts\n\
-         \x20 user:\n\
-         \x20   token: {token}\n\
-         contexts:\n\
-         - name: whereabouts\n\
-         \x20 context:\n\
-         \x20   cluster: whereabouts\n\
-         \x20   user: whereabouts\n\
-         \x20   namespace: {namespace}\n\
-         current-context: whereabouts\n",
-        server = q(&server),
-        ca = q(&base64(&ca)),
-        token = q(token),
-        namespace = q(&namespace),
+         {yaml}"
     ))
 }
 
-/// Standard base64 with padding.
-pub fn base64(data: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
+/// How the CA bundle is embedded (`certificate-authority-data`): standard base64 with padding,
+/// as client-go and kube-rs decode it.
+pub const CA_DATA: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
 /// Writes `contents` to `target` atomically with `mode`, unless it already holds exactly those
 /// bytes with that mode. Returns whether it wrote.
@@ -430,9 +433,48 @@ mod tests {
             ("fooba", "Zm9vYmE="),
             ("foobar", "Zm9vYmFy"),
         ] {
-            assert_eq!(base64(plain.as_bytes()), encoded, "{plain}");
+            assert_eq!(CA_DATA.encode(plain.as_bytes()), encoded, "{plain}");
         }
-        assert_eq!(base64(&[0xff, 0xfe, 0xfd]), "//79");
+        assert_eq!(CA_DATA.encode([0xff, 0xfe, 0xfd]), "//79");
+    }
+
+    /// The kubeconfig holds exactly what the hand-written one did (kube's types add no nulls or
+    /// empty fields kubectl would trip on), under the comment that says who writes it.
+    #[test]
+    fn kubeconfig_is_the_standard_one_and_nothing_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
+        std::fs::write(dir.path().join("token"), "tok: en\n").unwrap();
+        std::fs::write(dir.path().join("ca.crt"), ca).unwrap();
+        let mut args = InstallCniArgs::defaults();
+        args.token_file = dir.path().join("token");
+        args.ca_file = dir.path().join("ca.crt");
+        args.api_server = Some("https://[fd00::1]:443".into());
+        args.pool_namespace = Some("pools".into());
+        let text = kubeconfig(&args).unwrap();
+        assert!(
+            text.starts_with("# Written by whereabouts-operator install-cni"),
+            "{text}"
+        );
+        assert!(!text.contains("null") && !text.contains("~"), "{text}");
+        let parsed: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
+        assert_eq!(
+            parsed,
+            serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "whereabouts", "cluster": {
+                    "server": "https://[fd00::1]:443",
+                    "certificate-authority-data": CA_DATA.encode(ca),
+                }}],
+                "users": [{"name": "whereabouts", "user": {"token": "tok: en"}}],
+                "contexts": [{"name": "whereabouts", "context": {
+                    "cluster": "whereabouts", "user": "whereabouts", "namespace": "pools",
+                }}],
+                "current-context": "whereabouts",
+            }),
+            "{text}"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use kube::{Api, Client};
 use serde_json::json;
 
 use crate::crd::NetworkAttachmentDefinition;
-use crate::validate::{CheckedNad, Severity, check_object, check_text, findings};
+use crate::nad_check::{CheckedNad, Severity, check_object, check_text, findings};
 
 pub const EXIT_VALID: u8 = 0;
 pub const EXIT_INVALID: u8 = 1;

@@ -1,13 +1,13 @@
 //! Configuration: parsing network configs and NADs, the flat-file merge, and the one validator.
 
 pub mod flat;
+pub mod ipam;
 pub mod netconf;
 pub mod problem;
-pub mod validate;
 
-pub use netconf::NetConf;
-pub use problem::Problem;
-pub use validate::{
+pub use ipam::{
     DEFAULT_AGENT_SOCKET, IpamConfig, RangeConfig, Source, StaticAddress, Validated,
     result_shape_problem, validate_ipam,
 };
+pub use netconf::NetConf;
+pub use problem::Problem;

@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::Context;
 use crate::crd::{IPPool, IPPoolSpec, NetworkAttachmentDefinition};
-use crate::validate::{check_spec_config, message};
+use crate::nad_check::{check_spec_config, message};
 
 /// Which networks (`<ns>/<nad>`) use a pool; written by the operator.
 pub const NETWORKS_ANNOTATION: &str = "whereabouts.cni.cncf.io/networks";

@@ -16,7 +16,7 @@ use prometheus::{GaugeVec, Opts};
 
 use super::pools::PoolView;
 use crate::crd::{IPPool, NetworkAttachmentDefinition};
-use crate::validate::check_spec_config;
+use crate::nad_check::check_spec_config;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Usage {

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::index::NadIndex;
-use crate::validate::{check_spec_config, message, overlap_warnings};
+use crate::nad_check::{check_spec_config, message, overlap_warnings};
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 pub const NAD_GROUP: &str = "k8s.cni.cncf.io";

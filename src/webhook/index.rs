@@ -14,7 +14,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
 use crate::crd::NetworkAttachmentDefinition;
-use crate::validate::{NadRange, RangeIndex, check_spec_config};
+use crate::nad_check::{NadRange, RangeIndex, check_spec_config};
 
 /// A snapshot of the NADs the cluster holds.
 pub trait NadSource: Send + Sync {
@@ -119,7 +119,7 @@ impl NadIndex {
 mod tests {
     use super::*;
     use crate::crd::NetworkAttachmentDefinitionSpec;
-    use crate::validate::overlap_warnings;
+    use crate::nad_check::overlap_warnings;
 
     /// A source whose NADs and generation the test sets.
     #[derive(Default)]

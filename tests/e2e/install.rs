@@ -10,7 +10,7 @@ use serde_json::json;
 
 use crate::harness::{Ns, admin_kubeconfig, eventually, kubectl_raw, repo, whereabouts_bin};
 
-fn kustomize(dir: &str) -> Vec<serde_yaml::Value> {
+fn kustomize(dir: &str) -> Vec<serde_json::Value> {
     let out = kubectl_raw(
         admin_kubeconfig(),
         &["kustomize", repo().join(dir).to_str().unwrap()],
@@ -22,13 +22,11 @@ fn kustomize(dir: &str) -> Vec<serde_yaml::Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8(out.stdout).unwrap();
-    serde_yaml::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &serde_yaml::Value| !v.is_null())
-        .collect()
+    // Empty documents are skipped.
+    serde_saphyr::from_multiple(&text).unwrap()
 }
 
-fn find<'a>(objects: &'a [serde_yaml::Value], kind: &str, name: &str) -> &'a serde_yaml::Value {
+fn find<'a>(objects: &'a [serde_json::Value], kind: &str, name: &str) -> &'a serde_json::Value {
     objects
         .iter()
         .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
@@ -186,9 +184,10 @@ fn mode(p: &Path) -> u32 {
 /// and a fresh token for it.
 fn node_identity(ns: &Ns) -> impl Fn() -> String + '_ {
     let rbac = std::fs::read_to_string(repo().join("config/rbac/node.yaml")).unwrap();
-    let role: serde_yaml::Value = serde_yaml::Deserializer::from_str(&rbac)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .find(|v: &serde_yaml::Value| v["kind"] == "Role")
+    let role: serde_json::Value = serde_saphyr::from_multiple::<serde_json::Value>(&rbac)
+        .unwrap()
+        .into_iter()
+        .find(|v| v["kind"] == "Role")
         .unwrap();
     let rules: serde_json::Value = serde_json::to_value(&role["rules"]).unwrap();
     ns.kubectl_ok(&["create", "serviceaccount", "node"]);

@@ -228,13 +228,13 @@ fn readyz_names_what_is_not_ready() {
 
 #[test]
 fn promtool_accepts_the_alert_rules() {
-    let rule: serde_yaml::Value = serde_yaml::from_str(
+    let rule: serde_json::Value = serde_saphyr::from_str(
         &std::fs::read_to_string(repo().join("config/monitoring/prometheusrule.yaml")).unwrap(),
     )
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let rules = dir.path().join("rules.yaml");
-    std::fs::write(&rules, serde_yaml::to_string(&rule["spec"]).unwrap()).unwrap();
+    std::fs::write(&rules, serde_saphyr::to_string(&rule["spec"]).unwrap()).unwrap();
     let out = Command::new("promtool")
         .args(["check", "rules"])
         .arg(&rules)

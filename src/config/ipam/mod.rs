@@ -1,0 +1,240 @@
+//! The one validator: a whereabouts `ipam` object in, a typed [`IpamConfig`] or every problem out.
+//!
+//! The CNI plugin, the admission webhook and the offline `validate` command all call
+//! [`validate_ipam`], so whatever the webhook admits the plugin can use, and the plugin's error for a
+//! bad config is word for word the webhook's denial. Problems accumulate: a person fixing a config
+//! sees all of them at once.
+//!
+//! By concern: `ranges` reads the ranges and checks them against each other, `addresses` the
+//! routes and static addresses, `warnings` what a config may say but probably does not mean;
+//! `reader` is the typed access to an object's keys they all share.
+
+mod addresses;
+mod ranges;
+mod reader;
+mod warnings;
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde_json::{Map, Value};
+
+use super::problem::Problem;
+use crate::ipam::{AddrRange, Family};
+use addresses::{read_addresses, read_routes};
+use ranges::{check_network_name, check_node_slice, check_overlaps, read_ranges};
+use reader::Reader;
+use warnings::warnings;
+
+/// Where the node agent listens (our addition; the DaemonSet's agent container binds it).
+pub const DEFAULT_AGENT_SOCKET: &str = "/run/whereabouts/agent.sock";
+
+/// Where a config comes from decides what may be missing: a NAD may leave keys to the node's flat
+/// file, a config handed to the plugin at runtime has already been merged with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Runtime,
+    Nad,
+}
+
+/// One allocatable range, as the plugin and the operator use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RangeConfig {
+    /// Where the range was written, for messages: `ipam.range` or `ipam.ipRanges[1]`.
+    pub path: String,
+    pub range: AddrRange,
+    pub pool_name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaticAddress {
+    /// The address with its prefix length; host bits are kept (it is the interface address).
+    pub address: IpNet,
+    pub gateway: Option<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IpamConfig {
+    /// Top-level `range` first, then `ipRanges` in order: one address is allocated from each.
+    pub ranges: Vec<RangeConfig>,
+    pub gateway: Option<IpAddr>,
+    /// Copied into the result as given (after checking that they parse).
+    pub routes: Vec<Value>,
+    pub dns: Option<Value>,
+    pub addresses: Vec<StaticAddress>,
+    pub enable_overlapping_ranges: bool,
+    pub network_name: Option<String>,
+    pub kubeconfig: Option<String>,
+    pub log_file: Option<String>,
+    pub log_level: Option<String>,
+    /// The node agent's Unix socket (`agent_socket`, our addition): ADDs and DELs go through the
+    /// agent when it listens there, directly to the API server otherwise. `None`: never.
+    pub agent_socket: Option<String>,
+}
+
+/// What is wrong with answering `cfg` in `cni_version`, if anything: 0.1.0 and 0.2.0 results hold
+/// one address per family (`ip4`, `ip6`), so a config that gives two of one family (two ranges,
+/// or a range and a static address) fails every ADD there, as upstream's does. The plugin checks
+/// this before it allocates anything, and the validator refuses such a NAD with the same words.
+pub fn result_shape_problem(cni_version: &str, prefix: &str, cfg: &IpamConfig) -> Option<Problem> {
+    if !super::netconf::one_address_per_family(cni_version) {
+        return None;
+    }
+    let ranges = cfg
+        .ranges
+        .iter()
+        .map(|r| (r.range.family(), r.path.clone()));
+    let statics = cfg.addresses.iter().enumerate().map(|(i, a)| {
+        (
+            Family::of(a.address.addr()),
+            format!("{prefix}.addresses[{i}]"),
+        )
+    });
+    let given: Vec<(Family, String)> = ranges.chain(statics).collect();
+    [Family::V4, Family::V6].into_iter().find_map(|family| {
+        let paths: Vec<&str> = given
+            .iter()
+            .filter(|(f, _)| *f == family)
+            .map(|(_, p)| p.as_str())
+            .collect();
+        (paths.len() > 1).then(|| {
+            Problem::with_value(
+                "cniVersion",
+                cni_version,
+                format!(
+                    "results hold one address per family, but {} {} addresses are configured ({}): use cniVersion 0.3.0 or later",
+                    paths.len(),
+                    family.name(),
+                    paths.join(", ")
+                ),
+            )
+        })
+    })
+}
+
+/// The outcome of validation: a config only when there are no errors; warnings either way.
+#[derive(Debug, Clone, Default)]
+pub struct Validated {
+    pub config: Option<IpamConfig>,
+    pub errors: Vec<Problem>,
+    pub warnings: Vec<Problem>,
+}
+
+/// Validates one `ipam` object found at `prefix` (normally `ipam`, or `plugins[1].ipam`).
+pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
+    let mut out = Validated::default();
+    let Some(obj) = ipam.as_object() else {
+        out.errors
+            .push(Problem::at(prefix, "must be a JSON object"));
+        return out;
+    };
+    let mut r = Reader {
+        obj,
+        prefix,
+        errors: Vec::new(),
+    };
+    let network_name = r.string("network_name").map(str::to_owned);
+    let ranges = read_ranges(&mut r, network_name.as_deref());
+    let gateway = r.ip("gateway");
+    let routes = read_routes(&mut r);
+    let dns = r.object("dns").cloned().map(Value::Object);
+    let addresses = read_addresses(&mut r);
+    let enable_overlapping_ranges = r.bool("enable_overlapping_ranges").unwrap_or(true);
+    let kubeconfig = r
+        .object("kubernetes")
+        .and_then(|k| k.get("kubeconfig"))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
+    let log_file = r.string("log_file").map(str::to_owned);
+    let log_level = r.string("log_level").map(str::to_owned);
+    // The plugin drops a network config's agent_socket (the node's flat file decides), so in a
+    // NAD its value is not judged, only pointed out below: refusing it would refuse a NAD every
+    // ADD accepts (found by fuzz/cni_config's validator-agreement property).
+    let agent_socket = match source {
+        Source::Runtime => read_agent_socket(&mut r),
+        Source::Nad => None,
+    };
+    r.string("configuration_path");
+    check_node_slice(&mut r, &ranges);
+    if let Some(name) = &network_name {
+        check_network_name(&mut r, name, &ranges);
+    }
+    check_overlaps(&mut r, &ranges);
+    let mut errors = r.errors;
+    if source == Source::Nad && obj.contains_key("agent_socket") {
+        out.warnings.push(Problem::at(
+            format!("{prefix}.agent_socket"),
+            "is node configuration, read from the flat file only: ignored in a network config",
+        ));
+    }
+    if !declares_range(obj) {
+        let p = Problem::at(
+            format!("{prefix}.range"),
+            "is missing: set ipam.range or ipam.ipRanges",
+        );
+        match source {
+            Source::Runtime => errors.push(p),
+            Source::Nad => out.warnings.push(Problem::at(
+                p.path,
+                "is missing: the node's flat file must supply ipam.range or ipam.ipRanges",
+            )),
+        }
+    }
+    out.warnings.extend(warnings(
+        obj,
+        prefix,
+        &ranges,
+        gateway,
+        log_level.as_deref(),
+    ));
+    if errors.is_empty() && !ranges.is_empty() {
+        out.config = Some(IpamConfig {
+            ranges,
+            gateway,
+            routes,
+            dns,
+            addresses,
+            enable_overlapping_ranges,
+            network_name,
+            kubeconfig,
+            log_file,
+            log_level,
+            agent_socket,
+        });
+    }
+    out.errors = errors;
+    out
+}
+
+/// `agent_socket`: absent means the default path, `""` turns the agent off, anything else must be
+/// an absolute path (the plugin runs with whatever working directory the runtime gives it).
+fn read_agent_socket(r: &mut Reader<'_>) -> Option<String> {
+    match r.obj.get("agent_socket") {
+        None | Some(Value::Null) => Some(DEFAULT_AGENT_SOCKET.to_owned()),
+        Some(Value::String(s)) if s.is_empty() => None,
+        Some(Value::String(s)) if s.starts_with('/') => Some(s.clone()),
+        Some(Value::String(s)) => {
+            r.errors.push(Problem::with_value(
+                r.path("agent_socket"),
+                s,
+                "must be an absolute path to the node agent's Unix socket, or \"\" to turn the agent off",
+            ));
+            None
+        }
+        Some(v) => {
+            r.wrong_type("agent_socket", v, "a string");
+            None
+        }
+    }
+}
+
+/// True when the config names a range at all; whether it is a good one is checked elsewhere.
+fn declares_range(obj: &Map<String, Value>) -> bool {
+    let present = |k: &str| {
+        obj.get(k).is_some_and(|v| {
+            !(v.is_null() || v.as_str() == Some("") || v.as_array().is_some_and(Vec::is_empty))
+        })
+    };
+    present("range") || present("ipRanges")
+}

@@ -1,0 +1,274 @@
+//! The ranges of an `ipam` object: the top-level `range` and each of `ipRanges`, their bounds and
+//! excludes, and the checks across them (overlaps, node slices, the names they give objects).
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::RangeConfig;
+use super::reader::{Reader, parse_cidr_or_ip, parse_ip};
+use crate::config::problem::Problem;
+use crate::ipam::naming::{object_name_problem, pool_name, reservation_name};
+use crate::ipam::{AddrRange, Bound, RangeError};
+
+pub(super) fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfig> {
+    let mut ranges = Vec::new();
+    let top_prefix = r.prefix.to_owned();
+    if let Some(range) = read_one_range(r, &top_prefix, network_name, true) {
+        ranges.push(range);
+    }
+    for (i, entry) in r.array("ipRanges").iter().enumerate() {
+        let prefix = format!("{}.ipRanges[{i}]", r.prefix);
+        let Some(obj) = entry.as_object() else {
+            r.errors.push(Problem::with_value(
+                &prefix,
+                entry,
+                "must be an object with a range",
+            ));
+            continue;
+        };
+        let mut nested = r.nested(obj, &prefix);
+        let range = read_one_range(&mut nested, &prefix, network_name, false);
+        if range.is_none() && nested.errors.is_empty() {
+            nested
+                .errors
+                .push(Problem::at(format!("{prefix}.range"), "is missing"));
+        }
+        r.errors.append(&mut nested.errors);
+        ranges.extend(range);
+    }
+    ranges
+}
+
+/// Reads `range`, `range_start`, `range_end` and `exclude` from one object. `path` is where the
+/// range is reported: the ipam object itself for the top-level range, `ipRanges[i]` otherwise.
+fn read_one_range(
+    r: &mut Reader<'_>,
+    prefix: &str,
+    network_name: Option<&str>,
+    top_level: bool,
+) -> Option<RangeConfig> {
+    let range_text = r.string("range");
+    let mut start = r.ip("range_start");
+    let mut end = r.ip("range_end");
+    let excludes = read_excludes(r);
+    let range_text = range_text?;
+    let cidr_text = match range_text.split_once('-') {
+        // The `START-CIDR` form: START is range_start, the CIDR's own address is range_end.
+        Some((s, cidr)) => {
+            let Some(s) = parse_ip(s) else {
+                r.errors.push(Problem::with_value(
+                    r.path("range"),
+                    range_text,
+                    "is not a CIDR or START-CIDR (the start is not an IP address)",
+                ));
+                return None;
+            };
+            if start.is_some() || end.is_some() {
+                r.errors.push(Problem::with_value(
+                    r.path("range"),
+                    range_text,
+                    "gives a start in START-CIDR form; do not also set range_start or range_end",
+                ));
+                return None;
+            }
+            start = Some(s);
+            end = cidr.parse::<IpNet>().ok().map(|n| n.addr());
+            cidr
+        }
+        None => range_text,
+    };
+    let Ok(cidr) = cidr_text.trim().parse::<IpNet>() else {
+        r.errors.push(Problem::with_value(
+            r.path("range"),
+            range_text,
+            "is not a CIDR (expected for example 10.0.0.0/24 or fd00::/64)",
+        ));
+        return None;
+    };
+    // The bounds are checked even when an exclude did not parse, so every problem is reported;
+    // the range is only usable when all excludes parsed.
+    let result = AddrRange::new(cidr, start, end, &excludes.nets).map_err(|e| match e {
+        RangeError::FamilyMismatch {
+            bound: Bound::Exclude(i),
+            value,
+            cidr,
+        } => RangeError::FamilyMismatch {
+            bound: Bound::Exclude(excludes.positions[i]),
+            value,
+            cidr,
+        },
+        other => other,
+    });
+    match result {
+        // An exclude that did not parse is reported above; the range is not usable without it.
+        Ok(_) if !excludes.complete => None,
+        Ok(range) => {
+            let path = if top_level {
+                format!("{prefix}.range")
+            } else {
+                prefix.to_owned()
+            };
+            Some(RangeConfig {
+                path,
+                pool_name: pool_name(network_name, range.cidr()),
+                range,
+            })
+        }
+        Err(e) => {
+            r.errors.push(range_problem(
+                prefix,
+                range_text,
+                &excludes.nets,
+                start,
+                end,
+                e,
+            ));
+            None
+        }
+    }
+}
+
+/// The excludes that parse, with their positions in the list as written, and whether all did.
+struct Excludes {
+    nets: Vec<IpNet>,
+    positions: Vec<usize>,
+    complete: bool,
+}
+
+fn read_excludes(r: &mut Reader<'_>) -> Excludes {
+    let mut ex = Excludes {
+        nets: Vec::new(),
+        positions: Vec::new(),
+        complete: true,
+    };
+    for (i, v) in r.array("exclude").iter().enumerate() {
+        match v.as_str().and_then(parse_cidr_or_ip) {
+            Some(net) => {
+                ex.nets.push(net);
+                ex.positions.push(i);
+            }
+            None => {
+                ex.complete = false;
+                let path = format!("{}.exclude[{i}]", r.prefix);
+                let shown = v
+                    .as_str()
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| v.to_string());
+                r.errors.push(Problem::with_value(
+                    path,
+                    shown,
+                    "is not a CIDR or IP address",
+                ));
+            }
+        }
+    }
+    ex
+}
+
+/// Turns a core range error into a problem naming the field the user wrote.
+fn range_problem(
+    prefix: &str,
+    range_text: &str,
+    excludes: &[IpNet],
+    start: Option<IpAddr>,
+    end: Option<IpAddr>,
+    e: RangeError,
+) -> Problem {
+    let field = |b: Bound| format!("{prefix}.{b}");
+    match e {
+        RangeError::NoUsableAddress { .. } => Problem::with_value(
+            format!("{prefix}.range"),
+            range_text,
+            "has no usable address (a prefix needs at least two host bits)",
+        ),
+        RangeError::FamilyMismatch { bound, value, cidr } => Problem::with_value(
+            field(bound),
+            value,
+            format!("is not of the same address family as range {cidr}"),
+        ),
+        RangeError::Outside { bound, value, cidr } => {
+            Problem::with_value(field(bound), value, format!("is outside range {cidr}"))
+        }
+        RangeError::Inverted { .. } => Problem::with_value(
+            field(Bound::Start),
+            start.map(|s| s.to_string()).unwrap_or_default(),
+            format!(
+                "is after range_end {}",
+                end.map(|s| s.to_string()).unwrap_or_default()
+            ),
+        ),
+        RangeError::AllExcluded { cidr, first, last } => Problem::with_value(
+            format!("{prefix}.exclude"),
+            excludes
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            format!("leaves no usable address in range {cidr} (window {first} to {last})"),
+        ),
+    }
+}
+/// Node slices are not implemented yet; the size is still checked so the message is precise.
+pub(super) fn check_node_slice(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
+    let Some(text) = r.string("node_slice_size") else {
+        return;
+    };
+    let path = r.path("node_slice_size");
+    let prefix_len = text.trim().trim_start_matches('/').parse::<u8>().ok();
+    let problem = match (prefix_len, ranges.first()) {
+        (None, _) => "is not a prefix length (for example /28)".to_owned(),
+        (Some(p), Some(first))
+            if p < first.range.cidr().prefix_len() || p > first.range.cidr().max_prefix_len() =>
+        {
+            format!(
+                "does not fit range {}: a slice must be smaller than the range",
+                first.range.cidr()
+            )
+        }
+        _ => "is not supported yet: remove node_slice_size to allocate from the whole range"
+            .to_owned(),
+    };
+    r.errors.push(Problem::with_value(path, text, problem));
+}
+
+/// The network name prefixes every pool and reservation name, so both must stay valid names.
+pub(super) fn check_network_name(r: &mut Reader<'_>, name: &str, ranges: &[RangeConfig]) {
+    let path = r.path("network_name");
+    if let Some(why) = object_name_problem(name) {
+        r.errors.push(Problem::with_value(
+            path,
+            name,
+            format!("is not usable in object names: {why}"),
+        ));
+        return;
+    }
+    for range in ranges {
+        let last = range.range.window().1;
+        for object in [range.pool_name.clone(), reservation_name(Some(name), last)] {
+            if let Some(why) = object_name_problem(&object) {
+                r.errors.push(Problem::with_value(
+                    path.clone(),
+                    name,
+                    format!("gives the object name {object:?}, which {why}"),
+                ));
+            }
+        }
+    }
+}
+
+/// Two ranges of one config whose windows overlap would hand out two addresses from one window to
+/// each interface, which is never what was meant.
+pub(super) fn check_overlaps(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
+    for (i, a) in ranges.iter().enumerate() {
+        for b in &ranges[..i] {
+            if a.range.windows_overlap(&b.range) {
+                r.errors.push(Problem::with_value(
+                    a.path.clone(),
+                    a.range.cidr(),
+                    format!("overlaps {} ({})", b.path, b.range.cidr()),
+                ));
+            }
+        }
+    }
+}
