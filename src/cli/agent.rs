@@ -12,7 +12,7 @@ use crate::admin::{self, AdminState};
 use crate::agent::health::Health;
 use crate::agent::{Agent, bind, unbind};
 use crate::config::DEFAULT_AGENT_SOCKET;
-use crate::store::kube::KubeStore;
+use crate::store::kubernetes::KubeStore;
 
 /// The flags of `agent`, each with a `WHEREABOUTS_<NAME>` environment fallback.
 #[derive(Debug, Clone, clap::Args)]

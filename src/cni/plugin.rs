@@ -16,7 +16,7 @@ use super::invocation::{FlatSource, Invocation, Logging, Request};
 use super::protocol::{CniError, Code, Command};
 use super::reply::version_reply;
 use crate::alloc::Direct;
-use crate::store::kube::KubeStore;
+use crate::store::kubernetes::KubeStore;
 
 /// The plugin's `main`.
 pub fn run() -> ExitCode {

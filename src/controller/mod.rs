@@ -27,7 +27,7 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use crate::crd::{IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation};
 use crate::ownership::PodIdentity;
-use crate::store::kube::KubeStore;
+use crate::store::kubernetes::KubeStore;
 use cleanup::Trigger;
 
 #[derive(Debug, Clone)]

@@ -18,7 +18,7 @@
 //! turn for correctness: a writer without it (RBAC without Leases, a turn abandoned by a killed
 //! process) is still held to the resourceVersion precondition.
 
-pub mod kube;
+pub mod kubernetes;
 pub mod memory;
 
 use std::collections::{BTreeMap, HashMap};

@@ -9,29 +9,31 @@
 //! error. Either kind of write, when many processes send it for one pool at once, makes the API
 //! server re-run the losers (docs/benchmarks.md), which is why busy pools are written in turns.
 
-use std::collections::HashMap;
-use std::pin::Pin;
+mod errors;
+mod requests;
+mod watch;
 
-use futures::{Stream, StreamExt};
+use std::collections::HashMap;
+
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{
-    Api, DeleteParams, GetParams, ListParams, Patch, PatchParams, PostParams, Preconditions,
-    WatchEvent, WatchParams,
-};
+use kube::api::{Api, DeleteParams, GetParams, ListParams, PostParams, Preconditions, WatchParams};
 use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolChanges, PoolClaim, PoolWrite,
-    RELEASING_LABEL, Reservation, Result, Store, StoreError, TURN_LABEL, TURN_SECONDS, Turn,
-    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
+    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolClaim, PoolWrite, RELEASING_LABEL,
+    Reservation, Result, Store, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket,
+    now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
     OverlappingRangeIPReservationSpec,
 };
-use crate::retry::TRANSIENT_API;
+use errors::{api_code, error, is_unserved, retrying};
+use requests::{entry_path, owner_tests};
+pub use watch::KubeChanges;
+use watch::to_pool;
 
 #[derive(Clone)]
 pub struct KubeStore {
@@ -57,235 +59,6 @@ impl KubeStore {
             pods: Api::all(client),
         }
     }
-
-    async fn patch_pool(&self, pool: &str, ops: Value) -> Result<Write> {
-        let params = PatchParams::default();
-        let patch: json_patch::Patch =
-            serde_json::from_value(ops).expect("patch operations are well-formed");
-        let patch = Patch::Json::<()>(patch);
-        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(_) => Ok(Write::Done),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(Write::Missing),
-                // A failed `test`, or (a pool stored with `allocations: null`) a missing parent.
-                Some(422) | Some(409) => Ok(Write::Conflict),
-                _ => Err(error("patch", format!("ippool {pool}"), e)),
-            },
-        }
-    }
-}
-
-/// Runs one request, again after a transient failure (a dropped connection, an overloaded or
-/// restarting API server), as [`TRANSIENT_API`] bounds it. Retrying is safe because every write
-/// is conditional: a repeated create answers 409 and is recognised as ours, a repeated patch fails
-/// its `test` and is re-read.
-async fn retrying<T, F, Fut>(call: F) -> Result<T, kube::Error>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, kube::Error>>,
-{
-    TRANSIENT_API.retry(call, transient).await
-}
-
-fn transient(e: &kube::Error) -> bool {
-    match e {
-        // etcd refusing an object over its size limit is a 500 that no retry changes.
-        kube::Error::Api(status) if status.message.contains(super::TOO_LARGE) => false,
-        kube::Error::Api(status) => matches!(status.code, 429 | 500 | 502 | 503 | 504),
-        kube::Error::HyperError(_) | kube::Error::Service(_) => true,
-        _ => false,
-    }
-}
-
-fn api_code(e: &kube::Error) -> Option<u16> {
-    match e {
-        kube::Error::Api(status) => Some(status.code),
-        _ => None,
-    }
-}
-
-/// A 404 without a NotFound Status: the resource type itself is not served (CRDs missing).
-fn is_unserved(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(status) if status.code == 404 && status.details.is_none() && status.reason != "NotFound")
-}
-
-fn error(op: &'static str, object: String, e: kube::Error) -> StoreError {
-    match e {
-        // A 404 without a Status body: the resource type itself is not served.
-        kube::Error::Api(status) if status.code == 404 && status.details.is_none() && status.reason != "NotFound" => StoreError::Api {
-            op,
-            object,
-            code: 404,
-            message: "the whereabouts.cni.cncf.io API is not served: apply the CRDs (kubectl apply -f crds/)".into(),
-        },
-        kube::Error::Api(status) => StoreError::Api {
-            op,
-            object,
-            code: status.code,
-            message: status.message.clone(),
-        },
-        kube::Error::SerdeError(e) => StoreError::Malformed {
-            op,
-            object,
-            message: e.to_string(),
-        },
-        other => StoreError::Transport {
-            op,
-            object,
-            source: std::sync::Arc::new(other),
-        },
-    }
-}
-
-fn to_pool(name: &str, p: IPPool) -> Pool {
-    let rv = p.metadata.resource_version.unwrap_or_default();
-    let (pool, unparsed) = Pool::from_stored(name.to_owned(), p.spec.range, p.spec.allocations, rv);
-    if !unparsed.is_empty() {
-        tracing::warn!(pool = name, keys = ?unparsed, "ignoring allocation keys that are not decimal offsets");
-    }
-    pool
-}
-
-type EventStream = Pin<Box<dyn Stream<Item = kube::Result<WatchEvent<IPPool>>> + Send>>;
-
-/// A watch of one IPPool.
-pub struct KubeChanges {
-    pool: String,
-    /// `None` once the watch ended: the caller re-reads and watches again.
-    stream: Option<EventStream>,
-}
-
-impl PoolChanges for KubeChanges {
-    fn ended(&self) -> bool {
-        self.stream.is_none()
-    }
-
-    async fn next(&mut self, wait: std::time::Duration) -> Result<Option<Pool>> {
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let Some(stream) = self.stream.as_mut() else {
-                return Ok(None);
-            };
-            let Ok(event) = tokio::time::timeout_at(deadline, stream.next()).await else {
-                return Ok(None);
-            };
-            match event {
-                Some(Ok(WatchEvent::Added(p) | WatchEvent::Modified(p))) => {
-                    return Ok(Some(to_pool(&self.pool, p)));
-                }
-                Some(Ok(WatchEvent::Bookmark(_))) => continue,
-                // Deleted, expired (410), or the stream closed or broke: the caller re-reads.
-                other => {
-                    tracing::debug!(pool = %self.pool, event = ?other.map(|e| e.map(|_| ())), "pool watch ended");
-                    self.stream = None;
-                    return Ok(None);
-                }
-            }
-        }
-    }
-}
-
-impl KubeStore {
-    /// Merges `allocations` (an entry to add, or null to remove) into the pool, if it is still at
-    /// `resource_version`: the API server compares it before applying anything and answers 409 at
-    /// once when the pool moved on.
-    async fn patch_allocations(
-        &self,
-        pool: &str,
-        allocations: serde_json::Map<String, Value>,
-        resource_version: &str,
-    ) -> Result<PoolWrite> {
-        let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
-        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(PoolWrite::Missing),
-                Some(409) => Ok(PoolWrite::Conflict),
-                _ => Err(error("patch", format!("ippool {pool}"), e)),
-            },
-        }
-    }
-
-    /// A conditional merge patch of a reservation; returns the new resourceVersion on success.
-    async fn patch_reservation(&self, name: &str, body: &Value) -> Result<(Write, String)> {
-        let (params, patch) = (PatchParams::default(), Patch::Merge(body));
-        match retrying(|| self.reservations.patch(name, &params, &patch)).await {
-            Ok(r) => Ok((Write::Done, r.metadata.resource_version.unwrap_or_default())),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok((Write::Missing, String::new())),
-                Some(409 | 422) => Ok((Write::Conflict, String::new())),
-                _ => Err(error(
-                    "patch",
-                    format!("overlappingrangeipreservation {name}"),
-                    e,
-                )),
-            },
-        }
-    }
-
-    /// Our reservations of `pool` matching a label selector, with their addresses. Served from
-    /// the API server's watch cache: cheap, possibly a moment old, which is fine (each writer
-    /// adds its own claim or release explicitly).
-    async fn list_claims(&self, pool: &str, selector: &str) -> Result<Vec<PoolClaim>> {
-        let params = ListParams::default().labels(selector).match_any();
-        let list = retrying(|| self.reservations.list(&params))
-            .await
-            .map_err(|e| {
-                error(
-                    "list",
-                    format!("overlappingrangeipreservations of {pool}"),
-                    e,
-                )
-            })?;
-        Ok(list
-            .items
-            .into_iter()
-            .filter_map(|r| {
-                Some(PoolClaim {
-                    ip: r
-                        .metadata
-                        .annotations
-                        .as_ref()?
-                        .get(IP_ANNOTATION)?
-                        .parse()
-                        .ok()?,
-                    uid: r.metadata.uid.unwrap_or_default(),
-                    spec: r.spec,
-                })
-            })
-            .collect())
-    }
-
-    async fn delete_lease(&self, name: &str, uid: &str, rv: Option<&str>) {
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(uid.to_owned()),
-                resource_version: rv.map(str::to_owned),
-            }),
-            ..Default::default()
-        };
-        match retrying(|| self.leases.delete(name, &params)).await {
-            Ok(_) => {}
-            Err(e) if matches!(api_code(&e), Some(404 | 409)) => {}
-            Err(e) => {
-                tracing::warn!(lease = %name, error = %e, "cannot give back the pool's writer turn; it expires in {TURN_SECONDS} s")
-            }
-        }
-    }
-}
-
-fn entry_path(offset: u128) -> String {
-    format!("/spec/allocations/{offset}")
-}
-
-/// `test` operations that hold while the entry still belongs to `expected`'s container and pod.
-fn owner_tests(offset: u128, expected: &IPAllocation) -> [Value; 2] {
-    let path = entry_path(offset);
-    [
-        json!({"op": "test", "path": format!("{path}/id"), "value": expected.id}),
-        json!({"op": "test", "path": format!("{path}/podref"), "value": expected.podref}),
-    ]
 }
 
 impl Store for KubeStore {
@@ -366,10 +139,7 @@ impl Store for KubeStore {
         let stream = retrying(|| self.pools.watch(&params, resource_version))
             .await
             .map_err(|e| error("watch", format!("ippool {pool}"), e))?;
-        Ok(KubeChanges {
-            pool: pool.to_owned(),
-            stream: Some(Box::pin(stream)),
-        })
+        Ok(KubeChanges::new(pool, Box::pin(stream)))
     }
 
     async fn take_turn(&self, pool: &str, holder: &str) -> TurnAttempt {
