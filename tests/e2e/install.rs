@@ -43,9 +43,9 @@ fn config_default_renders_and_the_server_accepts_every_object() {
         .iter()
         .filter(|o| o["kind"] == "Role" || o["kind"] == "ClusterRole")
     {
-        for rule in role["rules"].as_sequence().unwrap() {
+        for rule in role["rules"].as_array().unwrap() {
             for key in ["verbs", "resources", "apiGroups"] {
-                let values = rule[key].as_sequence().unwrap();
+                let values = rule[key].as_array().unwrap();
                 assert!(
                     !values.iter().any(|v| v == "*"),
                     "{:?}: wildcard in {key}",
@@ -62,7 +62,7 @@ fn config_default_renders_and_the_server_accepts_every_object() {
     let c = &pod["containers"][0];
     assert!(
         c["args"]
-            .as_sequence()
+            .as_array()
             .unwrap()
             .contains(&"--leader-election=true".into())
     );
@@ -90,7 +90,7 @@ fn config_default_renders_and_the_server_accepts_every_object() {
     // The node agent binds its socket where the plugin looks by default.
     let pod = &ds["spec"]["template"]["spec"];
     let agent = pod["containers"]
-        .as_sequence()
+        .as_array()
         .unwrap()
         .iter()
         .find(|c| c["name"] == "agent")
@@ -98,14 +98,14 @@ fn config_default_renders_and_the_server_accepts_every_object() {
     assert_eq!(agent["args"][0], "agent");
     assert!(
         agent["args"]
-            .as_sequence()
+            .as_array()
             .unwrap()
             .iter()
             .any(|a| a.as_str() == Some("--socket=/run/whereabouts/agent.sock"))
     );
     assert!(
         pod["volumes"]
-            .as_sequence()
+            .as_array()
             .unwrap()
             .iter()
             .any(|v| v["hostPath"]["path"] == "/run/whereabouts")
