@@ -276,9 +276,10 @@ fn install_cni_into_a_temporary_host_root() {
         flat_json,
         json!({"kubernetes": {"kubeconfig": "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig"}})
     );
-    let kc = std::fs::read_to_string(&kubeconfig).unwrap();
-    assert!(kc.contains(&format!("token: \"{first}\"")));
-    assert!(kc.contains(&format!("namespace: \"{}\"", ns.name)));
+    let kc: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(&kubeconfig).unwrap()).unwrap();
+    assert_eq!(kc["users"][0]["user"]["token"], first.as_str(), "{kc}");
+    assert_eq!(kc["contexts"][0]["context"]["namespace"], ns.name.as_str());
     for d in [bin.parent().unwrap(), conf_dir.as_path()] {
         let temps: Vec<_> = std::fs::read_dir(d)
             .unwrap()
@@ -361,9 +362,9 @@ fn install_cni_into_a_temporary_host_root() {
     assert_ne!(first, second);
     std::fs::write(sa.join("token"), &second).unwrap();
     let rotated = eventually(10, || {
-        std::fs::read_to_string(&kubeconfig)
-            .unwrap()
-            .contains(&format!("token: \"{second}\""))
+        let text = std::fs::read_to_string(&kubeconfig).unwrap();
+        let kc: serde_json::Value = serde_saphyr::from_str(&text).unwrap_or_default();
+        kc["users"][0]["user"]["token"] == second.as_str()
     });
     let _ = Command::new("kill")
         .arg("-TERM")
