@@ -48,7 +48,7 @@ fn state() -> &'static WebhookState {
                 json!({"type": "whereabouts", "range": "10.0.0.128/25"}),
             ),
         ]);
-        WebhookState::new(source)
+        WebhookState::new(source, Arc::default())
     })
 }
 

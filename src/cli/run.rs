@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use crate::admin::{self, AdminState};
 use crate::crd::NetworkAttachmentDefinition;
+use crate::metrics::Metrics;
 use crate::webhook::{self, WatchedNads, WebhookState, tls::CertFiles};
 
 /// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
@@ -132,7 +133,13 @@ impl Shutdown {
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let shutdown = Shutdown(stop_rx);
-    let mut admin_state = AdminState::new();
+    // The operator's one registry: the controllers and the webhook count into it, the admin port
+    // renders it.
+    let metrics = Arc::new(Metrics::new());
+    let mut admin_state = AdminState::new({
+        let metrics = metrics.clone();
+        move || metrics.render()
+    });
     let mut tasks: Vec<Task> = Vec::new();
     let (client, namespace) = client().await?;
 
@@ -173,10 +180,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..webhook::Limits::default()
         };
         let app = webhook::router_with(
-            WebhookState::new(Arc::new(WatchedNads {
-                store: store.clone(),
-                generation: nad_generation.clone(),
-            })),
+            WebhookState::new(
+                Arc::new(WatchedNads {
+                    store: store.clone(),
+                    generation: nad_generation.clone(),
+                }),
+                metrics.clone(),
+            ),
             &limits,
         );
         let files = CertFiles::new(cert, key);
@@ -209,7 +219,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(pool_namespace = %opts.pool_namespace, identity = %opts.identity, dry_run = opts.dry_run, "controllers starting");
     let stop = shutdown.clone();
     tasks.push(Box::pin(async move {
-        crate::controller::run(client, opts, health, store, nad_changed, stop.wait()).await
+        crate::controller::run(
+            client,
+            opts,
+            health,
+            store,
+            nad_changed,
+            metrics,
+            stop.wait(),
+        )
+        .await
     }));
 
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
