@@ -82,17 +82,16 @@ pub fn router_with(state: WebhookState, limits: &Limits) -> Router {
 async fn validate(State(state): State<WebhookState>, body: Bytes) -> Response {
     let started = std::time::Instant::now();
     match admission::review(&body, &state.nads) {
-        Ok((operation, answer)) => {
-            let allowed = answer
-                .pointer("/response/allowed")
-                .and_then(serde_json::Value::as_bool)
-                == Some(true);
-            state.metrics.record_webhook(
-                &operation,
-                if allowed { "allowed" } else { "denied" },
-                started.elapsed(),
-            );
-            axum::Json(answer).into_response()
+        Ok(answer) => {
+            let result = if answer.allowed() {
+                "allowed"
+            } else {
+                "denied"
+            };
+            state
+                .metrics
+                .record_webhook(&answer.operation, result, started.elapsed());
+            axum::Json(answer.into_review()).into_response()
         }
         Err(e) => {
             tracing::debug!(error = %e, "malformed admission request");
