@@ -85,32 +85,15 @@ pub struct RunArgs {
     pub dry_run: bool,
 }
 
-/// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated.
+/// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated (humantime's units
+/// and spellings, such as `1h 30m` or `2 hours`, too).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || format!("{text:?} is not a duration (for example 30s, 5m, 1h30m, 250ms)");
-    let mut total = Duration::ZERO;
-    let mut rest = text.trim();
-    if rest.is_empty() {
+    // humantime also reads fractions (`1.5s`); these flags have only ever taken whole units.
+    if text.contains('.') {
         return Err(bad());
     }
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
-        let after = &rest[digits..];
-        let unit_len = after
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(after.len());
-        let part = match &after[..unit_len] {
-            "ms" => Duration::from_millis(n),
-            "s" => Duration::from_secs(n),
-            "m" => Duration::from_secs(n * 60),
-            "h" => Duration::from_secs(n * 3600),
-            _ => return Err(bad()),
-        };
-        total += part;
-        rest = &after[unit_len..];
-    }
-    Ok(total)
+    humantime::parse_duration(text.trim()).map_err(|_| bad())
 }
 
 /// Readiness of the NAD watch cache.
