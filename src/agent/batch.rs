@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::MetricFamily;
-use prometheus::{IntGaugeVec, Opts};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::alloc::group::{allocate_group_from, release_group};
 use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
-use crate::metrics::agent::{AgentMetrics, QUEUE_DEPTH, QUEUE_DEPTH_HELP};
+use crate::metrics::agent::AgentMetrics;
 use crate::store::{Pool, Store, StoreError};
+
+mod depth;
+
+pub use depth::QueueDepth;
 
 /// The most ADDs one group takes; the rest wait for the next group.
 const MAX_GROUP: usize = 500;
@@ -381,41 +382,6 @@ impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
         let slot = self.slot(&target.pool);
         self.batcher.submit_release(Job::new(target, who), slot)
-    }
-}
-
-/// `whereabouts_agent_queue_depth{pool}`, read from the queues at scrape time.
-pub struct QueueDepth {
-    queues: Queues,
-    template: IntGaugeVec,
-}
-
-impl QueueDepth {
-    fn new(queues: Queues) -> Self {
-        QueueDepth {
-            queues,
-            template: depth_gauge(),
-        }
-    }
-}
-
-fn depth_gauge() -> IntGaugeVec {
-    IntGaugeVec::new(Opts::new(QUEUE_DEPTH, QUEUE_DEPTH_HELP), &["pool"]).expect("valid gauge")
-}
-
-impl Collector for QueueDepth {
-    fn desc(&self) -> Vec<&Desc> {
-        self.template.desc()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        let gauge = depth_gauge();
-        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        for (pool, queue) in queues.iter() {
-            let waiting = queue.waiting.load(Ordering::SeqCst);
-            gauge.with_label_values(&[pool]).set(waiting as i64);
-        }
-        gauge.collect()
     }
 }
 

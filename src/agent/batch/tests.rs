@@ -1,4 +1,7 @@
+use prometheus::core::Collector;
+
 use super::*;
+use crate::metrics::agent::QUEUE_DEPTH;
 use crate::store::memory::MemoryStore;
 
 fn depths(batcher: &Batcher<MemoryStore>) -> Vec<(String, i64)> {
