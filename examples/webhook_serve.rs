@@ -25,7 +25,10 @@ async fn main() -> anyhow::Result<()> {
     let listener =
         webhook::limits::listen(addr).with_context(|| format!("ADDR {addr}: cannot listen"))?;
     let limits = Limits::default();
-    let app = webhook::router_with(WebhookState::new(Arc::new(Vec::new())), &limits);
+    let app = webhook::router_with(
+        WebhookState::new(Arc::new(Vec::new()), Arc::default()),
+        &limits,
+    );
     let loaded = Arc::new(AtomicBool::new(false));
     let server = tokio::spawn(webhook::tls::serve(
         listener,

@@ -3,8 +3,8 @@
 //! Readiness reflects real state: each component registers a named check, and `/readyz` answers
 //! 200 `ok` only when every check passes, else 503 naming each failing check. `/livez` works the
 //! same over the liveness checks (none: the process answers, which is all the operator needs; the
-//! node agent adds one). `/metrics` renders the operator's registry unless told another (the
-//! agent's). [`router`] is a function so tests can drive it with `oneshot`.
+//! node agent adds one). `/metrics` renders what the process was given: the operator's registry or
+//! the agent's. [`router`] is a function so tests can drive it with `oneshot`.
 
 use std::sync::Arc;
 
@@ -14,28 +14,24 @@ use axum::http::StatusCode;
 use axum::routing::get;
 
 type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// The named readiness and liveness checks, and the metrics to serve.
 #[derive(Clone)]
 pub struct AdminState {
     checks: Vec<(&'static str, Check)>,
     live: Vec<(&'static str, Check)>,
-    render: fn() -> String,
-}
-
-impl Default for AdminState {
-    fn default() -> Self {
-        AdminState {
-            checks: Vec::new(),
-            live: Vec::new(),
-            render: crate::metrics::render,
-        }
-    }
+    render: Render,
 }
 
 impl AdminState {
-    pub fn new() -> Self {
-        AdminState::default()
+    /// No checks yet; `/metrics` serves `render`'s text (e.g. `move || metrics.render()`).
+    pub fn new(render: impl Fn() -> String + Send + Sync + 'static) -> Self {
+        AdminState {
+            checks: Vec::new(),
+            live: Vec::new(),
+            render: Arc::new(render),
+        }
     }
 
     /// Adds a liveness check: `Err(reason)` makes `/livez` answer 503 with `name: reason`.
@@ -45,12 +41,6 @@ impl AdminState {
         f: impl Fn() -> Result<(), String> + Send + Sync + 'static,
     ) -> Self {
         self.live.push((name, Arc::new(f)));
-        self
-    }
-
-    /// Serves `render`'s text on `/metrics` instead of the operator's registry.
-    pub fn metrics(mut self, render: fn() -> String) -> Self {
-        self.render = render;
         self
     }
 
@@ -126,15 +116,15 @@ mod tests {
 
     #[tokio::test]
     async fn livez_names_each_failing_liveness_check_and_metrics_can_be_another_registry() {
-        let plain = AdminState::new();
+        let metrics = crate::metrics::Metrics::new();
+        let plain = AdminState::new(move || metrics.render());
         assert_eq!(get(&plain, "/livez").await, (StatusCode::OK, "ok\n".into()));
         let (_, text) = get(&plain, "/metrics").await;
         assert!(text.contains("whereabouts_build_info"), "{text}");
 
-        let agent = AdminState::new()
+        let agent = AdminState::new(|| "agent_only 1\n".into())
             .live("socket", || Err("no answer on /run/x.sock for 31s".into()))
-            .check("socket", || Ok(()))
-            .metrics(|| "agent_only 1\n".into());
+            .check("socket", || Ok(()));
         assert_eq!(
             get(&agent, "/livez").await,
             (

@@ -675,7 +675,7 @@ async fn a_group_reuses_held_entries_and_reports_exhaustion_per_job() {
 async fn batched_and_direct_adds_share_a_pool_without_duplicates() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new().interleaved());
-    let batcher = Arc::new(Batcher::new(store.clone()));
+    let batcher = Arc::new(Batcher::new(store.clone(), Arc::default()));
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
     let tasks: Vec<_> = (0..120)
         .map(|i| {
@@ -711,7 +711,7 @@ async fn batched_and_direct_adds_share_a_pool_without_duplicates() {
 async fn batched_dual_stack_adds_get_one_address_per_range() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new());
-    let batcher = Arc::new(Batcher::new(store.clone()));
+    let batcher = Arc::new(Batcher::new(store.clone(), Arc::default()));
     let tasks: Vec<_> = (0..40)
         .map(|i| {
             let (store, batcher) = (store.clone(), batcher.clone());
@@ -804,7 +804,7 @@ async fn a_group_started_from_a_stale_pool_version_still_gives_distinct_addresse
 async fn batched_dels_release_together_and_spare_re_bound_addresses() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new().interleaved());
-    let batcher = Arc::new(Batcher::new(store.clone()));
+    let batcher = Arc::new(Batcher::new(store.clone(), Arc::default()));
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
     concurrent_adds(&store, &ipam, 60).await;
     // Pod p0's interface was re-created under container n0 and took its address over.
@@ -847,7 +847,7 @@ fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Attachment {
 async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new());
-    let batcher = Batcher::new(store.clone());
+    let batcher = Batcher::new(store.clone(), Arc::default());
     let range = range_of(json!({"range": "10.0.0.0/24"}));
     let who = attachment("c1", "p1");
     let add = batcher.allocate(&store, &range, &who);
@@ -870,7 +870,7 @@ async fn a_del_queued_behind_an_add_of_the_same_interface_runs_after_it() {
 async fn an_add_abandoned_mid_group_leaves_nothing_behind() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new().interleaved());
-    let batcher = Arc::new(Batcher::new(store.clone()));
+    let batcher = Arc::new(Batcher::new(store.clone(), Arc::default()));
     let range = range_of(json!({"range": "10.0.0.0/24"}));
     let task = {
         let (store, batcher, range) = (store.clone(), batcher.clone(), range.clone());
@@ -1060,7 +1060,7 @@ async fn an_add_that_would_outgrow_the_pool_object_is_refused_for_good() {
 async fn a_batched_add_that_would_outgrow_the_pool_object_is_refused_for_good() {
     use whereabouts::agent::batch::Batcher;
     let store = Arc::new(MemoryStore::new());
-    let batcher = Batcher::new(store.clone());
+    let batcher = Batcher::new(store.clone(), Arc::default());
     let entries = fill_pool_object(&store).await;
     let ipam = json!({"type": "whereabouts", "range": "10.128.0.0/16"});
     let req = request(Command::Add, ipam, "c-new", "new").unwrap();

@@ -59,7 +59,8 @@ fn context_with(
     };
     let (tx, rx) = watch::channel(true);
     std::mem::forget(tx);
-    (Context::new(client, opts, caches, rx), handle)
+    let metrics = std::sync::Arc::new(whereabouts::metrics::Metrics::new());
+    (Context::new(client, opts, caches, rx, metrics), handle)
 }
 
 fn pool(entries: &[(u128, &str, &str)]) -> IPPool {

@@ -79,7 +79,10 @@ fn start(limits: Limits) -> Server {
     let addr = listener.local_addr().unwrap();
     let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let files = CertFiles::new(dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    let app = webhook::router_with(WebhookState::new(Arc::new(Vec::new())), &limits);
+    let app = webhook::router_with(
+        WebhookState::new(Arc::new(Vec::new()), Arc::default()),
+        &limits,
+    );
     let loaded = Arc::new(AtomicBool::new(false));
     let task = tokio::spawn(webhook::tls::serve(
         listener,

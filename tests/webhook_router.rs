@@ -64,7 +64,7 @@ fn cluster() -> Arc<dyn NadSource> {
 }
 
 async fn post(body: Vec<u8>) -> (StatusCode, Vec<u8>) {
-    let app = webhook::router(WebhookState::new(cluster()));
+    let app = webhook::router(WebhookState::new(cluster(), Arc::default()));
     let req = Request::post("/validate")
         .header("content-type", "application/json")
         .body(Body::from(body))
@@ -339,7 +339,7 @@ async fn huge_bodies_are_refused() {
 
 #[tokio::test]
 async fn only_post_validate_is_served() {
-    let app = webhook::router(WebhookState::new(cluster()));
+    let app = webhook::router(WebhookState::new(cluster(), Arc::default()));
     let get = app
         .clone()
         .oneshot(Request::get("/validate").body(Body::empty()).unwrap())
@@ -359,7 +359,7 @@ async fn readyz_names_each_failing_check() {
     use whereabouts::admin::{AdminState, router};
     let cert = Arc::new(AtomicBool::new(false));
     let c = cert.clone();
-    let state = AdminState::new()
+    let state = AdminState::new(String::new)
         .check("webhook-certificate", move || {
             if c.load(Ordering::SeqCst) {
                 Ok(())
@@ -377,7 +377,7 @@ async fn readyz_names_each_failing_check() {
         b"webhook-certificate: not loaded\nnad-cache: not synced\n"
     );
     cert.store(true, Ordering::SeqCst);
-    let ok = AdminState::new().check("webhook-certificate", move || Ok(()));
+    let ok = AdminState::new(String::new).check("webhook-certificate", move || Ok(()));
     assert_eq!(
         router(ok).oneshot(get("/readyz")).await.unwrap().status(),
         StatusCode::OK
@@ -402,7 +402,7 @@ async fn thousands_of_overlapping_nads_give_one_bounded_warning() {
             )
         })
         .collect();
-    let app = webhook::router(WebhookState::new(Arc::new(many)));
+    let app = webhook::router(WebhookState::new(Arc::new(many), Arc::default()));
     let req = Request::post("/validate")
         .header("content-type", "application/json")
         .body(Body::from(fixture("warn-cross-nad")))

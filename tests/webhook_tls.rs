@@ -63,7 +63,7 @@ fn serve_on_loopback(
     let addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let files = CertFiles::new(dir.join("tls.crt"), dir.join("tls.key"));
-    let app = webhook::router(WebhookState::new(Arc::new(Vec::new())));
+    let app = webhook::router(WebhookState::new(Arc::new(Vec::new()), Arc::default()));
     let server = tokio::spawn(webhook::tls::serve(
         listener,
         files,

@@ -48,7 +48,7 @@ fn state() -> &'static WebhookState {
                 json!({"type": "whereabouts", "range": "10.0.0.128/25"}),
             ),
         ]);
-        WebhookState::new(source)
+        WebhookState::new(source, Arc::default())
     })
 }
 
@@ -78,10 +78,14 @@ fn post(body: Vec<u8>) -> (StatusCode, Vec<u8>) {
     })
 }
 
+/// A review as the API server sends it: `resource` and `userInfo` are always there (kube's
+/// AdmissionRequest, which the webhook reads a CREATE or UPDATE into, requires them).
 fn wrapped(config: &str, operation: &str) -> Vec<u8> {
     json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
         "uid": "u-1", "name": "mine", "namespace": "team-a", "operation": operation,
         "kind": {"group": "k8s.cni.cncf.io", "version": "v1", "kind": "NetworkAttachmentDefinition"},
+        "resource": {"group": "k8s.cni.cncf.io", "version": "v1", "resource": "network-attachment-definitions"},
+        "userInfo": {"username": "fuzz"},
         "object": {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
                    "metadata": {"name": "mine", "namespace": "team-a"}, "spec": {"config": config}}}})
     .to_string()
@@ -128,7 +132,10 @@ fn answer(body: Vec<u8>) -> Option<Value> {
     let (status, reply) = post(body);
     match status {
         StatusCode::OK => {
-            let (_, expected) = direct.expect("200 where review() refuses");
+            let expected = serde_json::to_value(
+                direct.expect("200 where review() refuses").into_review(),
+            )
+            .expect("a review serialises");
             let got: Value = serde_json::from_slice(&reply).expect("a JSON verdict");
             assert_eq!(got, expected, "the router and review() differ");
             assert_eq!(got["kind"], "AdmissionReview");

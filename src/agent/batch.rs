@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::MetricFamily;
-use prometheus::{IntGaugeVec, Opts};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::alloc::group::{allocate_group_from, release_group};
 use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
-use crate::metrics::agent as metrics;
+use crate::metrics::agent::AgentMetrics;
 use crate::store::{Pool, Store, StoreError};
+
+mod depth;
+
+pub use depth::QueueDepth;
 
 /// The most ADDs one group takes; the rest wait for the next group.
 const MAX_GROUP: usize = 500;
@@ -155,19 +156,22 @@ pub struct Batcher<S> {
     /// which counts places, plus at most one rollback release per admitted request.
     queues: Queues,
     total: Arc<AtomicUsize>,
+    metrics: Arc<AgentMetrics>,
 }
 
 impl<S: Store + 'static> Batcher<S> {
-    pub fn new(store: Arc<S>) -> Self {
-        Self::with_limits(store, Limits::default())
+    /// A batcher whose workers count their groups in `metrics`.
+    pub fn new(store: Arc<S>, metrics: Arc<AgentMetrics>) -> Self {
+        Self::with_limits(store, Limits::default(), metrics)
     }
 
-    pub fn with_limits(store: Arc<S>, limits: Limits) -> Self {
+    pub fn with_limits(store: Arc<S>, limits: Limits, metrics: Arc<AgentMetrics>) -> Self {
         Batcher {
             store,
             limits,
             queues: Arc::default(),
             total: Arc::default(),
+            metrics,
         }
     }
 
@@ -252,7 +256,8 @@ impl<S: Store + 'static> Batcher<S> {
             return tx.clone();
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(worker(self.store.clone(), pool.to_owned(), rx));
+        let (store, metrics) = (self.store.clone(), self.metrics.clone());
+        tokio::spawn(worker(store, metrics, pool.to_owned(), rx));
         queue.tx = Some(tx.clone());
         tx
     }
@@ -380,46 +385,12 @@ impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
     }
 }
 
-/// `whereabouts_agent_queue_depth{pool}`, read from the queues at scrape time.
-pub struct QueueDepth {
-    queues: Queues,
-    template: IntGaugeVec,
-}
-
-impl QueueDepth {
-    fn new(queues: Queues) -> Self {
-        QueueDepth {
-            queues,
-            template: depth_gauge(),
-        }
-    }
-}
-
-fn depth_gauge() -> IntGaugeVec {
-    IntGaugeVec::new(
-        Opts::new(metrics::QUEUE_DEPTH, metrics::QUEUE_DEPTH_HELP),
-        &["pool"],
-    )
-    .expect("valid gauge")
-}
-
-impl Collector for QueueDepth {
-    fn desc(&self) -> Vec<&Desc> {
-        self.template.desc()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        let gauge = depth_gauge();
-        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        for (pool, queue) in queues.iter() {
-            let waiting = queue.waiting.load(Ordering::SeqCst);
-            gauge.with_label_values(&[pool]).set(waiting as i64);
-        }
-        gauge.collect()
-    }
-}
-
-async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedReceiver<Queued>) {
+async fn worker<S: Store>(
+    store: Arc<S>,
+    metrics: Arc<AgentMetrics>,
+    pool: String,
+    mut rx: mpsc::UnboundedReceiver<Queued>,
+) {
     let mut known: Option<(tokio::time::Instant, Pool)> = None;
     // Work held back from the last batch to keep its order (see `conflicts`).
     let mut carried: Option<Queued> = None;
@@ -468,7 +439,7 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
         if !dels.is_empty() {
             // Releases first: the addresses they free are there for the allocations.
             let (jobs, replies): (Vec<Job>, Vec<Released>) = dels.into_iter().unzip();
-            metrics::observe_group("del", jobs.len());
+            metrics.observe_group("del", jobs.len());
             let results = release_group(&*store, &jobs).await;
             tracing::debug!(%pool, size = jobs.len(), ms = started.elapsed().as_millis() as u64, "group released");
             for (reply, result) in replies.into_iter().zip(results) {
@@ -479,7 +450,7 @@ async fn worker<S: Store>(store: Arc<S>, pool: String, mut rx: mpsc::UnboundedRe
         if !adds.is_empty() {
             let (jobs, replies): (Vec<Job>, Vec<Reply>) = adds.into_iter().unzip();
             let size = jobs.len();
-            metrics::observe_group("add", size);
+            metrics.observe_group("add", size);
             // The version this worker wrote last is the pool's current one unless another node
             // wrote since: start from it while it is fresh, saving a read (and, when the read
             // would come from the API server's lagging cache, a lost write).
@@ -521,57 +492,4 @@ fn conflicts(queued: &[Queued], next: &Work) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::memory::MemoryStore;
-
-    fn depths(batcher: &Batcher<MemoryStore>) -> Vec<(String, i64)> {
-        let families = batcher.depth_collector().collect();
-        assert_eq!(families[0].name(), metrics::QUEUE_DEPTH);
-        let mut depths: Vec<(String, i64)> = families[0]
-            .get_metric()
-            .iter()
-            .map(|m| {
-                let pool = m.get_label()[0].value().to_owned();
-                (pool, m.get_gauge().get_value() as i64)
-            })
-            .collect();
-        depths.sort();
-        depths
-    }
-
-    /// The gauge reads the places held, and a dropped ticket gives its places back.
-    #[test]
-    fn the_depth_gauge_follows_admissions() {
-        let batcher = Batcher::with_limits(
-            Arc::new(MemoryStore::new()),
-            Limits {
-                per_pool: 2,
-                total: 3,
-            },
-        );
-        let first = batcher.admit(["a", "b"]).unwrap();
-        let second = batcher.admit(["a"]).unwrap();
-        assert_eq!(depths(&batcher), [("a".into(), 2), ("b".into(), 1)]);
-        assert_eq!(
-            batcher.admit(["a"]).err(),
-            Some(QueueFull::Pool {
-                pool: "a".into(),
-                limit: 2
-            })
-        );
-        assert_eq!(
-            batcher.admit(["c"]).err(),
-            Some(QueueFull::Total { limit: 3 })
-        );
-        drop(first);
-        assert_eq!(depths(&batcher), [("a".into(), 1), ("b".into(), 0)]);
-        // One pool named by two ranges needs two places.
-        assert!(batcher.admit(["a", "a"]).is_err());
-        drop(second);
-        let twice = batcher.admit(["a", "a"]).unwrap();
-        assert_eq!(batcher.waiting("a"), 2);
-        drop(twice);
-        assert_eq!(batcher.waiting_total(), 0);
-    }
-}
+mod tests;

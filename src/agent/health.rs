@@ -153,7 +153,13 @@ mod tests {
         assert!(health.ready().unwrap_err().contains("is not bound"));
         health.set_bound(true);
         health.ready().unwrap();
-        let agent = Arc::new(Agent::new(MemoryStore::new(), String::new(), own_uid));
+        let metrics = Arc::new(crate::metrics::agent::AgentMetrics::new());
+        let agent = Arc::new(Agent::new(
+            MemoryStore::new(),
+            String::new(),
+            own_uid,
+            metrics,
+        ));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(agent.serve(
             listener,

@@ -12,6 +12,7 @@ use crate::admin::{self, AdminState};
 use crate::agent::health::Health;
 use crate::agent::{Agent, bind, unbind};
 use crate::config::DEFAULT_AGENT_SOCKET;
+use crate::metrics::agent::AgentMetrics;
 use crate::store::kubernetes::KubeStore;
 
 /// The flags of `agent`, each with a `WHEREABOUTS_<NAME>` environment fallback.
@@ -76,11 +77,18 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let admin = admin_listener.local_addr()?;
     let (listener, own_uid) = bind(&args.socket).await?;
     tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, %admin, "node agent listening");
-    let agent = Arc::new(Agent::new(store, args.serves_kubeconfig, own_uid));
-    crate::metrics::agent::register_collector(Box::new(agent.batcher().depth_collector()));
+    // The agent's one registry: what it counts and what its admin port renders.
+    let metrics = Arc::new(AgentMetrics::new());
+    let agent = Arc::new(Agent::new(
+        store,
+        args.serves_kubeconfig,
+        own_uid,
+        metrics.clone(),
+    ));
+    metrics.register_collector(Box::new(agent.batcher().depth_collector()));
     let health = Arc::new(Health::new(&args.socket));
     health.set_bound(true);
-    tokio::spawn(serve_admin(admin_listener, health.clone()));
+    tokio::spawn(serve_admin(admin_listener, health.clone(), metrics));
     let probes = health.clone();
     tokio::spawn(async move { probes.probe_forever().await });
     let socket = args.socket.clone();
@@ -97,12 +105,15 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
 
 /// `/livez` (the agent answers itself on its socket), `/readyz` (the socket is bound) and the
 /// agent's `/metrics`, until the process ends.
-async fn serve_admin(listener: tokio::net::TcpListener, health: Arc<Health>) {
+async fn serve_admin(
+    listener: tokio::net::TcpListener,
+    health: Arc<Health>,
+    metrics: Arc<AgentMetrics>,
+) {
     let (live, ready) = (health.clone(), health);
-    let state = AdminState::new()
+    let state = AdminState::new(move || metrics.render())
         .live("socket", move || live.live())
-        .check("socket", move || ready.ready())
-        .metrics(crate::metrics::agent::render);
+        .check("socket", move || ready.ready());
     if let Err(e) = axum::serve(listener, admin::router(state)).await {
         tracing::error!(error = %e, "the admin port stopped; /livez fails and the kubelet restarts the agent");
     }

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use crate::admin::{self, AdminState};
 use crate::crd::NetworkAttachmentDefinition;
+use crate::metrics::Metrics;
 use crate::webhook::{self, WatchedNads, WebhookState, tls::CertFiles};
 
 /// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
@@ -84,32 +85,15 @@ pub struct RunArgs {
     pub dry_run: bool,
 }
 
-/// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated.
+/// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated (humantime's units
+/// and spellings, such as `1h 30m` or `2 hours`, too).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || format!("{text:?} is not a duration (for example 30s, 5m, 1h30m, 250ms)");
-    let mut total = Duration::ZERO;
-    let mut rest = text.trim();
-    if rest.is_empty() {
+    // humantime also reads fractions (`1.5s`); these flags have only ever taken whole units.
+    if text.contains('.') {
         return Err(bad());
     }
-    while !rest.is_empty() {
-        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
-        let after = &rest[digits..];
-        let unit_len = after
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(after.len());
-        let part = match &after[..unit_len] {
-            "ms" => Duration::from_millis(n),
-            "s" => Duration::from_secs(n),
-            "m" => Duration::from_secs(n * 60),
-            "h" => Duration::from_secs(n * 3600),
-            _ => return Err(bad()),
-        };
-        total += part;
-        rest = &after[unit_len..];
-    }
-    Ok(total)
+    humantime::parse_duration(text.trim()).map_err(|_| bad())
 }
 
 /// Readiness of the NAD watch cache.
@@ -132,7 +116,13 @@ impl Shutdown {
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let shutdown = Shutdown(stop_rx);
-    let mut admin_state = AdminState::new();
+    // The operator's one registry: the controllers and the webhook count into it, the admin port
+    // renders it.
+    let metrics = Arc::new(Metrics::new());
+    let mut admin_state = AdminState::new({
+        let metrics = metrics.clone();
+        move || metrics.render()
+    });
     let mut tasks: Vec<Task> = Vec::new();
     let (client, namespace) = client().await?;
 
@@ -173,10 +163,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             ..webhook::Limits::default()
         };
         let app = webhook::router_with(
-            WebhookState::new(Arc::new(WatchedNads {
-                store: store.clone(),
-                generation: nad_generation.clone(),
-            })),
+            WebhookState::new(
+                Arc::new(WatchedNads {
+                    store: store.clone(),
+                    generation: nad_generation.clone(),
+                }),
+                metrics.clone(),
+            ),
             &limits,
         );
         let files = CertFiles::new(cert, key);
@@ -209,7 +202,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(pool_namespace = %opts.pool_namespace, identity = %opts.identity, dry_run = opts.dry_run, "controllers starting");
     let stop = shutdown.clone();
     tasks.push(Box::pin(async move {
-        crate::controller::run(client, opts, health, store, nad_changed, stop.wait()).await
+        crate::controller::run(
+            client,
+            opts,
+            health,
+            store,
+            nad_changed,
+            metrics,
+            stop.wait(),
+        )
+        .await
     }));
 
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)

@@ -330,7 +330,7 @@ impl Auditor {
             )
             .await;
         }
-        crate::metrics::record_releases("audit", released.len());
+        ctx.metrics.record_releases("audit", released.len());
         Ok(!released.is_empty())
     }
 
@@ -372,7 +372,7 @@ impl Auditor {
                 released += 1;
             }
         }
-        crate::metrics::record_releases("orphan", released);
+        ctx.metrics.record_releases("orphan", released);
         Ok(released)
     }
 }

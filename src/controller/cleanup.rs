@@ -183,7 +183,7 @@ async fn release_in_pool(
     let wanted: Vec<(u128, IPAllocation)> =
         entries.iter().map(|(o, e, _)| (*o, e.clone())).collect();
     let removed = remove_entries(&ctx.store, &view.name, &wanted, None).await?;
-    crate::metrics::record_releases("pod_deleted", removed.len());
+    ctx.metrics.record_releases("pod_deleted", removed.len());
     // A reservation that cannot be deleted now does not undo the release (the address is free
     // in the pool); it is left for the audit, which removes claims without an entry.
     for chunk in removed.chunks(PARALLEL_CALLS) {
@@ -193,7 +193,7 @@ async fn release_in_pool(
         for deleted in futures::future::join_all(deletes).await {
             if let Err(e) = deleted {
                 tracing::warn!(pool = %view.name, error = %e, "reservation of a released address not deleted; the audit will");
-                crate::metrics::record_release_error("pod_deleted");
+                ctx.metrics.record_release_error("pod_deleted");
             }
         }
     }

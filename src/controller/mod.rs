@@ -26,6 +26,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::crd::{IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation};
+use crate::metrics::Metrics;
 use crate::ownership::PodIdentity;
 use crate::store::kubernetes::KubeStore;
 use cleanup::Trigger;
@@ -53,6 +54,8 @@ pub struct Context {
     pub store: KubeStore,
     pub caches: Caches,
     pub opts: Options,
+    /// The operator's metrics, shared with the webhook and rendered on the admin port.
+    pub metrics: Arc<Metrics>,
     recorder: Recorder,
     leader: watch::Receiver<bool>,
 }
@@ -64,6 +67,7 @@ impl Context {
         opts: Options,
         caches: Caches,
         leader: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
     ) -> Context {
         let reporter = Reporter {
             controller: "whereabouts-operator".into(),
@@ -75,6 +79,7 @@ impl Context {
             client,
             caches,
             opts,
+            metrics,
             leader,
         }
     }
@@ -140,13 +145,15 @@ struct Job {
 }
 
 /// Runs the controllers until `shutdown` resolves. The NAD cache is shared with the webhook (one
-/// watch per kind); `nad_changed` is notified on every NAD event.
+/// watch per kind); `nad_changed` is notified on every NAD event. The usage collector is
+/// registered into `metrics`, which the controllers count into.
 pub async fn run(
     client: Client,
     opts: Options,
     health: Arc<Health>,
     nads: Store<NetworkAttachmentDefinition>,
     nad_changed: Arc<Notify>,
+    metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let wc = watcher::Config::default;
@@ -154,7 +161,7 @@ pub async fn run(
     let (pools, pools_w) = reflector::store::<IPPool>();
     let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
     let (jobs_tx, jobs_rx) = mpsc::unbounded_channel::<Job>();
-    crate::metrics::register_collector(Box::new(usage::UsageCollector::new(
+    metrics.register_collector(Box::new(usage::UsageCollector::new(
         pools.clone(),
         nads.clone(),
     )));
@@ -204,7 +211,7 @@ pub async fn run(
     .reflect(res_w)
     .for_each(|e| log_watch_error("reservation", e));
 
-    let (leader, election) = elect(&client, &opts).await?;
+    let (leader, election) = elect(&client, &opts, &metrics).await?;
     health.election_running.store(true, Ordering::Relaxed);
     let caches = Caches {
         pods,
@@ -212,7 +219,7 @@ pub async fn run(
         pools,
         reservations,
     };
-    let ctx = Arc::new(Context::new(client, opts, caches, leader));
+    let ctx = Arc::new(Context::new(client, opts, caches, leader, metrics));
 
     let synced = {
         let (ctx, health) = (ctx.clone(), health.clone());
@@ -270,11 +277,12 @@ type ElectionTask = tokio::task::JoinHandle<
 async fn elect(
     client: &Client,
     opts: &Options,
+    metrics: &Arc<Metrics>,
 ) -> anyhow::Result<(watch::Receiver<bool>, Option<ElectionTask>)> {
     if !opts.leader_election {
         let (tx, rx) = watch::channel(true);
         std::mem::forget(tx); // the value never changes
-        crate::metrics::set_leader(true);
+        metrics.set_leader(true);
         return Ok((rx, None));
     }
     let manager =
@@ -287,10 +295,11 @@ async fn elect(
             .await?;
     let (mut rx, task) = manager.watch().await;
     let mut observer = rx.clone();
+    let metrics = metrics.clone();
     tokio::spawn(async move {
         loop {
             let leading = *observer.borrow_and_update();
-            crate::metrics::set_leader(leading);
+            metrics.set_leader(leading);
             tracing::info!(leading, "leadership");
             if observer.changed().await.is_err() {
                 break;
@@ -354,7 +363,7 @@ async fn finish(
         }
         Err(e) => {
             tracing::warn!(pod = %job.pod.podref, error = %e, "release failed; retrying");
-            crate::metrics::record_release_error("pod_deleted");
+            ctx.metrics.record_release_error("pod_deleted");
             ctx.event(
                 &cleanup::reference(&job.pod),
                 true,
@@ -365,7 +374,8 @@ async fn finish(
             job.attempt < 8
         }
     };
-    crate::metrics::observe_reconcile("pod_cleanup", result.is_ok(), elapsed);
+    ctx.metrics
+        .observe_reconcile("pod_cleanup", result.is_ok(), elapsed);
     if retry {
         let delay = Duration::from_millis(500u64 << job.attempt.min(6));
         let tx = tx.clone();
@@ -403,16 +413,18 @@ async fn audit_loop(ctx: Arc<Context>) {
         let started = std::time::Instant::now();
         match auditor.run_once(&ctx).await {
             Ok(report) => {
-                crate::metrics::set_audit(&report);
+                ctx.metrics.set_audit(&report.stale, report.orphans);
                 if report.released > 0 || report.released_orphans > 0 {
                     tracing::info!(?report, "audit released stale addresses");
                 }
-                crate::metrics::observe_reconcile("audit", true, started.elapsed());
+                ctx.metrics
+                    .observe_reconcile("audit", true, started.elapsed());
             }
             Err(e) => {
                 tracing::warn!(error = %e, "audit failed");
-                crate::metrics::record_release_error("audit");
-                crate::metrics::observe_reconcile("audit", false, started.elapsed());
+                ctx.metrics.record_release_error("audit");
+                ctx.metrics
+                    .observe_reconcile("audit", false, started.elapsed());
             }
         }
     }
@@ -427,7 +439,8 @@ async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
             if let Err(e) = &result {
                 tracing::warn!(error = %e, "NAD reconcile failed");
             }
-            crate::metrics::observe_reconcile("nad", result.is_ok(), started.elapsed());
+            ctx.metrics
+                .observe_reconcile("nad", result.is_ok(), started.elapsed());
         }
         // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
         // periodic pass.

@@ -1,16 +1,23 @@
-//! AdmissionReview v1 in, AdmissionReview v1 out.
+//! AdmissionReview v1 in, AdmissionReview v1 out, in kube's types.
 //!
-//! Only the fields we use are read, so the check does not depend on the exact shape of fields the
-//! API server adds over time. A request that is not an AdmissionReview for NADs is a caller's
-//! mistake (a misconfigured webhook registration) and gets an error, never a silent "allowed".
+//! The envelope (type, request, uid, resource, operation) is checked on the JSON first: a request
+//! that is not an AdmissionReview for NADs is a caller's mistake (a misconfigured webhook
+//! registration) and gets an error naming what is wrong, never a silent "allowed"; kube's own
+//! reading would only say which field is missing. Operations other than CREATE and UPDATE are
+//! answered from the envelope alone. A CREATE or UPDATE is then read into kube's
+//! [`AdmissionRequest`], which skips the fields it does not name, so the check does not depend on
+//! the exact shape of fields the API server adds over time.
 
-use serde::Deserialize;
-use serde_json::{Value, json};
+use kube::core::admission::{
+    AdmissionRequest, AdmissionResponse, AdmissionReview, META_API_VERSION_V1, META_KIND,
+};
+use kube::core::{DynamicObject, Status};
+use serde_json::Value;
 
 use super::index::NadIndex;
 use crate::nad_check::{check_spec_config, message, overlap_warnings};
 
-pub const API_VERSION: &str = "admission.k8s.io/v1";
+pub const API_VERSION: &str = META_API_VERSION_V1;
 pub const NAD_GROUP: &str = "k8s.cni.cncf.io";
 pub const NAD_KIND: &str = "NetworkAttachmentDefinition";
 
@@ -29,6 +36,9 @@ pub enum BadReview {
     NoUid,
     #[error("expects NetworkAttachmentDefinition ({NAD_GROUP}/v1), got {0}")]
     WrongResource(String),
+    /// A field the API server always sends is missing or of the wrong type.
+    #[error("AdmissionReview request is malformed: {0}")]
+    Malformed(String),
     #[error("AdmissionReview request for {0} has no object")]
     NoObject(String),
 }
@@ -42,89 +52,88 @@ impl BadReview {
             BadReview::NoRequest => "no_request",
             BadReview::NoUid => "no_uid",
             BadReview::WrongResource(_) => "wrong_resource",
+            BadReview::Malformed(_) => "malformed",
             BadReview::NoObject(_) => "no_object",
         }
     }
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Review {
-    #[serde(default)]
-    api_version: String,
-    #[serde(default)]
-    kind: String,
-    request: Option<Request>,
+/// One review answered: the operation asked about (the metric's label) and the response.
+pub struct Answer {
+    pub operation: String,
+    pub response: AdmissionResponse,
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Request {
-    #[serde(default)]
-    uid: String,
-    #[serde(default)]
-    kind: Gvk,
-    #[serde(default)]
-    namespace: String,
-    #[serde(default)]
-    name: String,
-    #[serde(default)]
-    operation: String,
-    object: Option<Value>,
+impl Answer {
+    pub fn allowed(&self) -> bool {
+        self.response.allowed
+    }
+
+    /// The AdmissionReview to send back.
+    pub fn into_review(self) -> AdmissionReview<DynamicObject> {
+        self.response.into_review()
+    }
 }
 
-#[derive(Deserialize, Default)]
-struct Gvk {
-    #[serde(default)]
-    group: String,
-    #[serde(default)]
-    version: String,
-    #[serde(default)]
-    kind: String,
+/// The string at `pointer`, or "" when it is absent or not a string.
+fn text_at<'v>(value: &'v Value, pointer: &str) -> &'v str {
+    value
+        .pointer(pointer)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
 }
 
-/// The verdict on one AdmissionReview request body, as the response AdmissionReview.
-/// Answers one review; returns the operation (for metrics) and the AdmissionReview to send back.
-pub fn review(body: &[u8], nads: &NadIndex) -> Result<(String, Value), BadReview> {
-    // serde skips the fields `Review` does not name without checking their UTF-8, so a body
-    // that is not JSON at all (found by fuzz/admission_review) would otherwise get a verdict.
+/// Answers one AdmissionReview request body.
+pub fn review(body: &[u8], nads: &NadIndex) -> Result<Answer, BadReview> {
+    // serde_json checks the UTF-8 of strings it keeps only, so a body that is not JSON at all
+    // (found by fuzz/admission_review) could otherwise get a verdict.
     let text =
         std::str::from_utf8(body).map_err(|e| BadReview::NotJson(format!("not UTF-8: {e}")))?;
-    let review: Review =
-        serde_json::from_str(text).map_err(|e| BadReview::NotJson(e.to_string()))?;
-    if review.kind != "AdmissionReview" || review.api_version != API_VERSION {
+    let value: Value = serde_json::from_str(text).map_err(|e| BadReview::NotJson(e.to_string()))?;
+    let (kind, api_version) = (text_at(&value, "/kind"), text_at(&value, "/apiVersion"));
+    if kind != META_KIND || api_version != API_VERSION {
         return Err(BadReview::WrongType {
-            kind: review.kind,
-            api_version: review.api_version,
+            kind: kind.to_owned(),
+            api_version: api_version.to_owned(),
         });
     }
-    let req = review.request.ok_or(BadReview::NoRequest)?;
-    if req.uid.is_empty() {
+    if value.get("request").is_none_or(Value::is_null) {
+        return Err(BadReview::NoRequest);
+    }
+    let uid = text_at(&value, "/request/uid").to_owned();
+    if uid.is_empty() {
         return Err(BadReview::NoUid);
     }
-    if req.kind.group != NAD_GROUP || req.kind.kind != NAD_KIND {
-        let k = &req.kind;
-        let group = if k.group.is_empty() { "core" } else { &k.group };
+    let group = text_at(&value, "/request/kind/group");
+    let resource = text_at(&value, "/request/kind/kind");
+    if group != NAD_GROUP || resource != NAD_KIND {
+        let group = if group.is_empty() { "core" } else { group };
+        let version = text_at(&value, "/request/kind/version");
         return Err(BadReview::WrongResource(format!(
-            "{} ({group}/{})",
-            k.kind, k.version
+            "{resource} ({group}/{version})"
         )));
     }
+    let operation = text_at(&value, "/request/operation").to_owned();
     // DELETE and CONNECT never make a config worse.
-    if !matches!(req.operation.as_str(), "CREATE" | "UPDATE") {
-        return Ok((
-            req.operation.clone(),
-            response(&req.uid, Verdict::default()),
-        ));
+    if !matches!(operation.as_str(), "CREATE" | "UPDATE") {
+        return Ok(Answer {
+            operation,
+            response: response(&uid, Verdict::default()),
+        });
     }
+    let review: AdmissionReview<DynamicObject> =
+        serde_json::from_value(value).map_err(|e| BadReview::Malformed(e.to_string()))?;
+    let req: AdmissionRequest<DynamicObject> =
+        review.try_into().map_err(|_| BadReview::NoRequest)?;
     let object = req
         .object
         .as_ref()
-        .ok_or_else(|| BadReview::NoObject(format!("{} {}", req.operation, req.name)))?;
-    Ok((
-        req.operation.clone(),
-        response(&req.uid, judge(&req, object, nads)),
-    ))
+        .ok_or_else(|| BadReview::NoObject(format!("{operation} {}", req.name)))?;
+    let verdict = judge(&req, object, nads);
+    Ok(Answer {
+        operation,
+        response: response(&uid, verdict),
+    })
 }
 
 #[derive(Default)]
@@ -133,8 +142,12 @@ struct Verdict {
     warnings: Vec<String>,
 }
 
-fn judge(req: &Request, object: &Value, nads: &NadIndex) -> Verdict {
-    let config = match object.get("spec").and_then(|s| s.get("config")) {
+fn judge(
+    req: &AdmissionRequest<DynamicObject>,
+    object: &DynamicObject,
+    nads: &NadIndex,
+) -> Verdict {
+    let config = match object.data.get("spec").and_then(|s| s.get("config")) {
         None | Some(Value::Null) => return Verdict::default(),
         Some(Value::String(s)) => s.as_str(),
         // The CRD's schema makes this a string; a server without the schema could still send one.
@@ -162,14 +175,12 @@ fn judge(req: &Request, object: &Value, nads: &NadIndex) -> Verdict {
     // The request's own namespace/name: for generateName creates the name is still empty, and
     // such a NAD cannot collide with itself in the cache.
     let name = if req.name.is_empty() {
-        object
-            .pointer("/metadata/name")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
+        object.metadata.name.as_deref().unwrap_or_default()
     } else {
         &req.name
     };
-    let me = format!("{}/{name}", req.namespace);
+    let namespace = req.namespace.as_deref().unwrap_or_default();
+    let me = format!("{namespace}/{name}");
     let overlaps = overlap_warnings(&check.ranges, &me, &nads.index());
     warnings.extend(overlaps.iter().map(message));
     Verdict {
@@ -178,13 +189,22 @@ fn judge(req: &Request, object: &Value, nads: &NadIndex) -> Verdict {
     }
 }
 
-fn response(uid: &str, v: Verdict) -> Value {
-    let mut resp = json!({"uid": uid, "allowed": v.denial.is_none()});
-    if let Some(msg) = v.denial {
-        resp["status"] = json!({"code": 422, "reason": "Invalid", "message": msg});
-    }
-    if !v.warnings.is_empty() {
-        resp["warnings"] = v.warnings.into();
-    }
-    json!({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": resp})
+/// kube's response to request `uid`. kube builds a response from a parsed request or as
+/// `invalid`; answers from the envelope alone have no parsed request, so every answer starts from
+/// `invalid` (which also sets the review's apiVersion and kind) and is filled in from the verdict.
+fn response(uid: &str, v: Verdict) -> AdmissionResponse {
+    let mut resp = AdmissionResponse::invalid("");
+    resp.uid = uid.to_owned();
+    resp.allowed = v.denial.is_none();
+    resp.result = match v.denial {
+        None => Status::default(),
+        Some(message) => Status {
+            code: 422,
+            reason: "Invalid".into(),
+            message,
+            ..Status::default()
+        },
+    };
+    resp.warnings = (!v.warnings.is_empty()).then_some(v.warnings);
+    resp
 }

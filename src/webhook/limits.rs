@@ -39,6 +39,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::PollSemaphore;
 
+use crate::metrics::Metrics;
+
 /// The API server's own TLS handshake to an in-cluster Service takes milliseconds, and its whole
 /// call has 5 s (`timeoutSeconds`): a handshake still running after that serves nobody.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -176,18 +178,21 @@ impl Limits {
     }
 }
 
-/// The slots of [`MAX_REQUESTS`] and how long a request may wait for one.
+/// The slots of [`MAX_REQUESTS`], how long a request may wait for one, and where a request shed
+/// for want of one is counted.
 #[derive(Clone)]
 pub struct RequestGate {
     slots: Arc<Semaphore>,
     wait: Duration,
+    metrics: Arc<Metrics>,
 }
 
 impl RequestGate {
-    pub fn new(limits: &Limits) -> Self {
+    pub fn new(limits: &Limits, metrics: Arc<Metrics>) -> Self {
         RequestGate {
             slots: Arc::new(Semaphore::new(limits.max_requests)),
             wait: limits.queue_wait,
+            metrics,
         }
     }
 }
@@ -199,7 +204,8 @@ pub async fn admit(State(gate): State<RequestGate>, req: Request, next: Next) ->
     let started = std::time::Instant::now();
     let slot = tokio::time::timeout(gate.wait, gate.slots.acquire_owned()).await;
     let Ok(Ok(_slot)) = slot else {
-        crate::metrics::record_webhook("unknown", "overloaded", started.elapsed());
+        gate.metrics
+            .record_webhook("unknown", "overloaded", started.elapsed());
         let mut resp = (
             StatusCode::SERVICE_UNAVAILABLE,
             "webhook overloaded: too many requests in flight\n",

@@ -26,6 +26,8 @@ use tower_http::timeout::TimeoutLayer;
 pub use index::{NadIndex, NadSource, WatchedNads};
 pub use limits::Limits;
 
+use crate::metrics::Metrics;
+
 /// Largest AdmissionReview accepted. The API server caps objects at about 1.5 MiB, but a NAD is a
 /// few hundred bytes; a megabyte leaves room for big conflists and none for abuse.
 pub const BODY_LIMIT: usize = 1024 * 1024;
@@ -33,16 +35,19 @@ pub const BODY_LIMIT: usize = 1024 * 1024;
 /// longer than twice that.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What the handlers share: the index of the other NADs for the cross-NAD overlap warning.
+/// What the handlers share: the index of the other NADs for the cross-NAD overlap warning, and
+/// the operator's metrics the answers are counted in.
 #[derive(Clone)]
 pub struct WebhookState {
     pub nads: Arc<NadIndex>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl WebhookState {
-    pub fn new(source: Arc<dyn NadSource>) -> Self {
+    pub fn new(source: Arc<dyn NadSource>, metrics: Arc<Metrics>) -> Self {
         WebhookState {
             nads: Arc::new(NadIndex::new(source)),
+            metrics,
         }
     }
 }
@@ -62,7 +67,7 @@ pub fn router_with(state: WebhookState, limits: &Limits) -> Router {
     Router::new()
         .route("/validate", post(validate))
         .layer(axum::middleware::from_fn_with_state(
-            limits::RequestGate::new(limits),
+            limits::RequestGate::new(limits, state.metrics.clone()),
             limits::admit,
         ))
         .layer(DefaultBodyLimit::max(limits.body_limit))
@@ -77,21 +82,22 @@ pub fn router_with(state: WebhookState, limits: &Limits) -> Router {
 async fn validate(State(state): State<WebhookState>, body: Bytes) -> Response {
     let started = std::time::Instant::now();
     match admission::review(&body, &state.nads) {
-        Ok((operation, answer)) => {
-            let allowed = answer
-                .pointer("/response/allowed")
-                .and_then(serde_json::Value::as_bool)
-                == Some(true);
-            crate::metrics::record_webhook(
-                &operation,
-                if allowed { "allowed" } else { "denied" },
-                started.elapsed(),
-            );
-            axum::Json(answer).into_response()
+        Ok(answer) => {
+            let result = if answer.allowed() {
+                "allowed"
+            } else {
+                "denied"
+            };
+            state
+                .metrics
+                .record_webhook(&answer.operation, result, started.elapsed());
+            axum::Json(answer.into_review()).into_response()
         }
         Err(e) => {
             tracing::debug!(error = %e, "malformed admission request");
-            crate::metrics::record_webhook("unknown", "error", started.elapsed());
+            state
+                .metrics
+                .record_webhook("unknown", "error", started.elapsed());
             (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response()
         }
     }

@@ -1,0 +1,203 @@
+use std::collections::BTreeMap;
+
+use serde_json::json;
+
+use super::*;
+use crate::agent::batch::Limits;
+use crate::store::memory::MemoryStore;
+
+fn add(container: &str, range: &str) -> AgentRequest {
+    let env = BTreeMap::from([
+        ("CNI_COMMAND".to_owned(), "ADD".to_owned()),
+        ("CNI_CONTAINERID".to_owned(), container.to_owned()),
+        ("CNI_IFNAME".to_owned(), "net1".to_owned()),
+        (
+            "CNI_ARGS".to_owned(),
+            format!("K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p-{container}"),
+        ),
+    ]);
+    let conf = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
+        "ipam": {"type": "whereabouts", "range": range}});
+    AgentRequest {
+        env,
+        stdin: conf.to_string(),
+        flat_file: None,
+    }
+}
+
+fn direct_reason(reply: &AgentReply) -> &str {
+    match reply {
+        AgentReply::Direct { reason } => reason,
+        other => panic!("expected a hand-back, got {other:?}"),
+    }
+}
+
+/// Yields until `done` holds (the workers run on this test's runtime).
+async fn until(what: &str, done: impl Fn() -> bool) {
+    for _ in 0..100_000 {
+        if done() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("never: {what}");
+}
+
+const A: &str = "10.0.0.0-24";
+const B: &str = "10.0.1.0-24";
+
+/// Pool A's write is held while its queue fills to its bound: the next ADD for A is handed
+/// back at once, naming the bound; B still queues until the total bound is reached; once the
+/// write goes through, every queued ADD gets its own address and the queues are empty.
+#[tokio::test]
+async fn full_queues_hand_requests_back_and_lose_nothing_queued() {
+    let limits = Limits {
+        per_pool: 2,
+        total: 3,
+    };
+    let agent = Arc::new(Agent::with_limits(
+        MemoryStore::new(),
+        String::new(),
+        0,
+        limits,
+        Arc::new(AgentMetrics::new()),
+    ));
+    let handbacks = |why: HandBack| {
+        agent
+            .metrics()
+            .handbacks
+            .with_label_values(&[why.label()])
+            .get()
+    };
+    let store = agent.store.clone();
+    let spawn = |container: &str, range: &str| {
+        let (agent, request) = (agent.clone(), add(container, range));
+        tokio::spawn(async move { agent.run(request).await })
+    };
+    store.hold(true);
+    // One ADD per pool is taken into a group and waits at the held store; it holds no place.
+    let mut admitted = vec![spawn("a0", "10.0.0.0/24"), spawn("b0", "10.0.1.0/24")];
+    until("both groups wait at the store", || store.waiting() == 2).await;
+    assert_eq!(agent.batcher().waiting_total(), 0);
+    admitted.push(spawn("a1", "10.0.0.0/24"));
+    admitted.push(spawn("a2", "10.0.0.0/24"));
+    until("A's queue is full", || agent.batcher().waiting(A) == 2).await;
+
+    let before = (
+        handbacks(HandBack::PoolQueueFull),
+        handbacks(HandBack::TotalQueueFull),
+    );
+    let full = agent.run(add("a3", "10.0.0.0/24")).await;
+    assert_eq!(
+        direct_reason(&full),
+        "the node agent's queue for pool 10.0.0.0-24 is full (2 requests waiting, the per-pool bound)"
+    );
+    // Another pool is not held up by A's bound.
+    admitted.push(spawn("b1", "10.0.1.0/24"));
+    until("B queued one", || agent.batcher().waiting(B) == 1).await;
+    assert_eq!(agent.batcher().waiting_total(), 3);
+    let total = agent.run(add("c0", "10.0.2.0/24")).await;
+    assert_eq!(
+        direct_reason(&total),
+        "the node agent's queues are full (3 requests waiting across pools, the total bound)"
+    );
+    assert!(handbacks(HandBack::PoolQueueFull) > before.0);
+    assert!(handbacks(HandBack::TotalQueueFull) > before.1);
+    assert_eq!(
+        agent.batcher().waiting_total(),
+        3,
+        "hand-backs take no place"
+    );
+
+    store.hold(false);
+    let mut ips = Vec::new();
+    for task in admitted {
+        match task.await.unwrap() {
+            AgentReply::Done { output: Some(out) } => {
+                ips.push(out["ips"][0]["address"].as_str().unwrap().to_owned())
+            }
+            other => panic!("a queued ADD was lost: {other:?}"),
+        }
+    }
+    ips.sort();
+    assert_eq!(
+        ips,
+        [
+            "10.0.0.1/24",
+            "10.0.0.2/24",
+            "10.0.0.3/24",
+            "10.0.1.1/24",
+            "10.0.1.2/24"
+        ]
+    );
+    assert_eq!(agent.batcher().waiting_total(), 0);
+    assert_eq!(
+        (agent.batcher().waiting(A), agent.batcher().waiting(B)),
+        (0, 0)
+    );
+    let pool = store.get_pool(A).await.unwrap().unwrap();
+    assert_eq!(
+        pool.allocations.len(),
+        3,
+        "the handed-back ADD took nothing"
+    );
+}
+
+/// A request whose second pool is full is handed back before its first range runs.
+#[tokio::test]
+async fn a_request_is_admitted_to_all_its_pools_or_none() {
+    let limits = Limits {
+        per_pool: 1,
+        total: 10,
+    };
+    let agent = Agent::with_limits(
+        MemoryStore::new(),
+        String::new(),
+        0,
+        limits,
+        Arc::new(AgentMetrics::new()),
+    );
+    let store = agent.store.clone();
+    let held = agent.batcher().admit([B]).unwrap();
+    let mut dual = add("d0", "10.0.0.0/24");
+    dual.stdin = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan",
+        "ipam": {"type": "whereabouts", "ipRanges": [{"range": "10.0.0.0/24"}, {"range": "10.0.1.0/24"}]}})
+    .to_string();
+    let reply = agent.run(dual.clone()).await;
+    assert!(direct_reason(&reply).contains("pool 10.0.1.0-24 is full"));
+    assert_eq!(agent.batcher().waiting(A), 0, "no place kept in A");
+    assert!(store.get_pool(A).await.unwrap().is_none(), "nothing ran");
+    drop(held);
+    assert_eq!(agent.batcher().waiting_total(), 0);
+    let reply = agent.run(dual).await;
+    assert!(matches!(reply, AgentReply::Done { .. }), "{reply:?}");
+    assert_eq!(agent.batcher().waiting_total(), 0);
+}
+
+/// What the agent answers for bytes, before running anything: unreadable bytes go back to the
+/// plugin, VERSION is answered, a bad request is the plugin's CNI error.
+#[test]
+fn parse_request_answers_as_a_connection_does() {
+    let unreadable = parse_request(b"{\"env\":{},\"stdin\":\"\",\"extra\":1}").unwrap_err();
+    let AgentReply::Direct { reason } = unreadable else {
+        panic!("{unreadable:?}");
+    };
+    assert!(
+        reason
+            .starts_with("the agent cannot read the request: agent request: unknown field `extra`"),
+        "{reason}"
+    );
+    let version = parse_request(br#"{"env":{"CNI_COMMAND":"VERSION"},"stdin":"","flatFile":null}"#);
+    assert_eq!(
+        version.unwrap_err(),
+        AgentReply::Done {
+            output: Some(cni::protocol::version_reply().to_value())
+        }
+    );
+    let bad = parse_request(br#"{"env":{"CNI_COMMAND":"ADD"},"stdin":"{","flatFile":null}"#);
+    let AgentReply::Failed { code: c, msg, .. } = bad.unwrap_err() else {
+        panic!("not a CNI error");
+    };
+    assert_eq!(c, Code::Decode.number());
+    assert!(msg.starts_with("network config is not valid JSON"), "{msg}");
+}
