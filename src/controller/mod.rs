@@ -28,6 +28,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use crate::crd::{IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation};
 use crate::metrics::Metrics;
 use crate::ownership::PodIdentity;
+use crate::retry::POD_RELEASE;
 use crate::store::kubernetes::KubeStore;
 use cleanup::Trigger;
 
@@ -371,13 +372,13 @@ async fn finish(
                 &e.to_string(),
             )
             .await;
-            job.attempt < 8
+            POD_RELEASE.allows(job.attempt + 1)
         }
     };
     ctx.metrics
         .observe_reconcile("pod_cleanup", result.is_ok(), elapsed);
     if retry {
-        let delay = Duration::from_millis(500u64 << job.attempt.min(6));
+        let delay = POD_RELEASE.delay(job.attempt);
         let tx = tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
