@@ -9,7 +9,7 @@ use whereabouts::alloc::Target;
 use whereabouts::cni::protocol::{CniError, Code, Command};
 use whereabouts::cni::{FlatSource, Invocation, Request};
 use whereabouts::crd::IPAllocation;
-use whereabouts::store::Store;
+use whereabouts::store::Datastore;
 use whereabouts::store::memory::MemoryStore;
 
 fn request(command: Command, ipam: Value, container: &str, pod: &str) -> Result<Request, CniError> {
@@ -39,13 +39,13 @@ fn request_conf(
 }
 
 /// The library's handler, with the reply as the JSON the plugin prints.
-async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
+async fn handle<S: Datastore>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
     let reply = whereabouts::cni::handle(store, req).await?;
     Ok(reply.map(|r| r.to_value()))
 }
 
 /// [`handle`] with addresses claimed by `alloc` (the node agent's batcher).
-async fn handle_with<S: Store, A: Allocate<S>>(
+async fn handle_with<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::alloc::group::{allocate_group_from, release_group};
 use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
 use crate::metrics::agent::AgentMetrics;
-use crate::store::{Pool, Store, StoreError};
+use crate::store::{Datastore, Pool, StoreError};
 
 mod depth;
 
@@ -159,7 +159,7 @@ pub struct Batcher<S> {
     metrics: Arc<AgentMetrics>,
 }
 
-impl<S: Store + 'static> Batcher<S> {
+impl<S: Datastore + 'static> Batcher<S> {
     /// A batcher whose workers count their groups in `metrics`.
     pub fn new(store: Arc<S>, metrics: Arc<AgentMetrics>) -> Self {
         Self::with_limits(store, Limits::default(), metrics)
@@ -316,7 +316,7 @@ fn release_failed(pool: &str, message: String) -> StoreError {
 
 /// Each call is admitted on its own: a full queue fails that range (use [`Batcher::admit`] and
 /// [`Batcher::admitted`] to hand back whole requests instead).
-impl<S: Store + 'static> Allocate<S> for Batcher<S> {
+impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
     fn allocate(
         &self,
         _store: &S,
@@ -354,7 +354,7 @@ pub struct Admitted<'a, S> {
     ticket: Ticket,
 }
 
-impl<S: Store + 'static> Admitted<'_, S> {
+impl<S: Datastore + 'static> Admitted<'_, S> {
     fn slot(&self, pool: &str) -> Slot {
         self.ticket.take(pool).unwrap_or_else(|| {
             let mut queues = self.batcher.lock();
@@ -363,7 +363,7 @@ impl<S: Store + 'static> Admitted<'_, S> {
     }
 }
 
-impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
+impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
     fn allocate(
         &self,
         _store: &S,
@@ -385,7 +385,7 @@ impl<S: Store + 'static> Allocate<S> for Admitted<'_, S> {
     }
 }
 
-async fn worker<S: Store>(
+async fn worker<S: Datastore>(
     store: Arc<S>,
     metrics: Arc<AgentMetrics>,
     pool: String,

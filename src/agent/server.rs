@@ -16,7 +16,7 @@ use crate::cni::handoff::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
 use crate::cni::protocol::{CniError, Code, Command};
 use crate::cni::{self, FlatSource, Invocation};
 use crate::metrics::agent::AgentMetrics;
-use crate::store::Store;
+use crate::store::Datastore;
 
 /// A plugin writes its request at once; one that does not within this time is dropped.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -77,7 +77,7 @@ pub struct Agent<S> {
     metrics: Arc<AgentMetrics>,
 }
 
-impl<S: Store + 'static> Agent<S> {
+impl<S: Datastore + 'static> Agent<S> {
     /// An agent counting into `metrics` (the agent's registry, see `cli::agent`).
     pub fn new(
         store: S,

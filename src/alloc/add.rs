@@ -9,7 +9,7 @@ use super::pool::ObjectRoom;
 use super::{AllocError, Allocated, Attachment, Engine};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
-use crate::store::{Pool, PoolWrite, Store, StoreError, Write};
+use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
 
 /// One try at an address.
 struct Attempt {
@@ -68,7 +68,7 @@ fn contenders_hint(pending: usize) -> u32 {
     usize::BITS - pending.leading_zeros()
 }
 
-impl<S: Store> Engine<'_, S> {
+impl<S: Datastore> Engine<'_, S> {
     /// Allocates `who` an address of the target (the one it already holds, if any).
     pub async fn allocate(self, who: &Attachment) -> Result<Allocated, AllocError> {
         let mut progress = Progress::default();

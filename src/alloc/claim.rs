@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use super::{Attachment, Engine};
 use crate::crd::IPAllocation;
-use crate::store::{Pool, Reservation, Store, StoreError, Write};
+use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
 
 /// The outcome of trying to claim an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +37,7 @@ impl PendingClaim {
     }
 }
 
-impl<S: Store> Engine<'_, S> {
+impl<S: Datastore> Engine<'_, S> {
     /// Claims `ip` for `who`. With `verify`, a lost create is read back to tell a racing claimant
     /// from a steady holder, and a reservation of the same pod interface under an earlier
     /// container is taken over.

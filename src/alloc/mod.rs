@@ -53,7 +53,7 @@ use thiserror::Error;
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::ipam::AddrRange;
 use crate::ipam::naming::reservation_name;
-use crate::store::{Pool, Store, StoreError};
+use crate::store::{Datastore, Pool, StoreError};
 
 pub use group::Job;
 pub use release::remove_entries;
@@ -173,7 +173,7 @@ pub enum AllocError {
     #[error("pool {pool}: gave up after {attempts} lost races for an address")]
     TooManyConflicts { pool: String, attempts: u32 },
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Datastore(#[from] StoreError),
     /// The node agent could not finish the allocation (it is shutting down).
     #[error("node agent: {0}")]
     Agent(String),
@@ -215,7 +215,7 @@ impl<S> Clone for Engine<'_, S> {
 
 impl<S> Copy for Engine<'_, S> {}
 
-impl<'a, S: Store> Engine<'a, S> {
+impl<'a, S: Datastore> Engine<'a, S> {
     pub fn new(store: &'a S, target: &'a Target) -> Self {
         Engine { store, target }
     }
@@ -224,7 +224,7 @@ impl<'a, S: Store> Engine<'a, S> {
 /// How an ADD claims, and a DEL releases, each range's address: by this process alone
 /// ([`Direct`]), or handed to the node agent, which claims (releases) the addresses of many ADDs
 /// (DELs) of one pool together.
-pub trait Allocate<S: Store>: Sync {
+pub trait Allocate<S: Datastore>: Sync {
     fn allocate(
         &self,
         store: &S,
@@ -244,7 +244,7 @@ pub trait Allocate<S: Store>: Sync {
 /// own ([`Engine::release`]).
 pub struct Direct;
 
-impl<S: Store> Allocate<S> for Direct {
+impl<S: Datastore> Allocate<S> for Direct {
     async fn allocate(
         &self,
         store: &S,

@@ -4,9 +4,9 @@
 use super::{AllocError, Engine, Target};
 use crate::crd::{IPAllocation, size};
 use crate::retry::LOST_WRITE;
-use crate::store::{Pool, PoolWrite, Store, StoreError};
+use crate::store::{Datastore, Pool, PoolWrite, StoreError};
 
-impl<S: Store> Engine<'_, S> {
+impl<S: Datastore> Engine<'_, S> {
     /// Reads the pool, creating it on first use. The first read of an ADD may come from the API
     /// server's cache (five times cheaper for a pool of a few hundred entries than a read from
     /// etcd): if it is a moment old, the conditional write fails and everything after reads from

@@ -8,7 +8,7 @@ use super::turn::FOLLOW_UP_WRITES;
 use super::{Attachment, Engine, same_owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_WRITE, MAX_CONFLICTS};
-use crate::store::{Pool, PoolWrite, Store, StoreError, Write};
+use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
 
 /// A reservation a DEL will delete once its entry is gone: (offset, name, uid, resourceVersion
 /// to delete it at).
@@ -22,7 +22,7 @@ struct Announced {
     unannounced: Vec<Held>,
 }
 
-impl<S: Store> Engine<'_, S> {
+impl<S: Datastore> Engine<'_, S> {
     /// Releases every entry of `who`'s container and interface in the target, and their
     /// reservations. Returns the released addresses. Entries re-bound to another container are
     /// left alone.
@@ -226,7 +226,7 @@ impl<S: Store> Engine<'_, S> {
 ///
 /// `read` is a version of the pool the caller has just read, if any, to start from instead of
 /// reading it again (a stale one only costs a lost write).
-pub async fn remove_entries<S: Store>(
+pub async fn remove_entries<S: Datastore>(
     store: &S,
     pool: &str,
     entries: &[(u128, IPAllocation)],

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::{Engine, same_owner};
 use crate::crd::IPAllocation;
 use crate::retry::MAX_CONFLICTS;
-use crate::store::{Pool, PoolChanges, Store, StoreError, TURN_SECONDS, Turn, TurnAttempt};
+use crate::store::{Datastore, Pool, PoolChanges, StoreError, TURN_SECONDS, Turn, TurnAttempt};
 
 /// How long a claimant waits for the turn holder's next write before it tries the turn again:
 /// longer the more claimants there are, so that all of them together ask about as often.
@@ -53,7 +53,7 @@ struct Waiting<C> {
     contenders: usize,
 }
 
-impl<S: Store> Engine<'_, S> {
+impl<S: Datastore> Engine<'_, S> {
     /// Records a claimed entry while others are claiming from the same pool (see the module
     /// docs). True when the entry is in the pool; false when the offset went to a writer that
     /// takes no reservations.
@@ -178,7 +178,7 @@ impl<S: Store> Engine<'_, S> {
 impl<C: PoolChanges> Waiting<C> {
     /// Waits on a watch of the pool for the turn holder's next write, or for a while; after a
     /// wait without writes, checks whether the turn was abandoned and breaks it if so.
-    async fn wait<S: Store<Changes = C>>(
+    async fn wait<S: Datastore<Changes = C>>(
         &mut self,
         store: &S,
         pool: &Pool,
@@ -234,7 +234,7 @@ struct StaleTurn {
 
 impl StaleTurn {
     /// Reads the turn at most once per turn length, so waiting costs almost no requests.
-    async fn abandoned<S: Store>(&mut self, store: &S, pool: &str) -> bool {
+    async fn abandoned<S: Datastore>(&mut self, store: &S, pool: &str) -> bool {
         let now = Instant::now();
         let turn = Duration::from_secs(TURN_SECONDS);
         if self.since.is_some_and(|t| now - t < turn) {

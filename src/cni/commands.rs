@@ -1,4 +1,4 @@
-//! Running a validated [`Request`] against a [`Store`]: ADD, DEL, CHECK, GC, STATUS, VERSION,
+//! Running a validated [`Request`] against a [`Datastore`]: ADD, DEL, CHECK, GC, STATUS, VERSION,
 //! each within its deadline, with each range's address claimed (released) by an [`Allocate`]:
 //! this process alone, or the node agent's groups.
 
@@ -12,7 +12,7 @@ use super::Request;
 use super::protocol::{CniError, Code, Command};
 use super::reply::{IpResult, Reply, render_result, version_reply};
 use crate::alloc::{AllocError, Allocate, Direct, Engine};
-use crate::store::Store;
+use crate::store::Datastore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
 pub const ADD_DEADLINE: Duration = Duration::from_secs(110);
@@ -22,7 +22,7 @@ pub const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
 pub const OTHER_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Runs a command within its deadline; an ADD cut off mid-way releases what it took.
-pub async fn handle_within<S: Store, A: Allocate<S>>(
+pub async fn handle_within<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
@@ -60,12 +60,12 @@ pub async fn handle_within<S: Store, A: Allocate<S>>(
 }
 
 /// Runs a command. `Ok(Some(json))` is printed on stdout; `Ok(None)` prints nothing.
-pub async fn handle<S: Store>(store: &S, req: &Request) -> Result<Option<Reply>, CniError> {
+pub async fn handle<S: Datastore>(store: &S, req: &Request) -> Result<Option<Reply>, CniError> {
     handle_with(store, &Direct, req).await
 }
 
 /// [`handle`], with ADD's addresses claimed by `alloc`.
-pub async fn handle_with<S: Store, A: Allocate<S>>(
+pub async fn handle_with<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
@@ -81,7 +81,7 @@ pub async fn handle_with<S: Store, A: Allocate<S>>(
 }
 
 /// Allocates one address per range, in order; all or nothing.
-async fn add<S: Store, A: Allocate<S>>(
+async fn add<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
@@ -114,7 +114,7 @@ async fn add<S: Store, A: Allocate<S>>(
 }
 
 /// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
-async fn rollback<S: Store, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
+async fn rollback<S: Datastore, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
     for target in &req.targets[..upto] {
         if let Err(e) = alloc.release(store, target, &req.attachment).await {
             tracing::error!(pool = %target.pool, error = %e, "could not roll back a partial ADD; the audit will release it");
@@ -150,7 +150,7 @@ fn alloc_error(e: AllocError) -> CniError {
         }
         // Defence in depth: the estimate missed (metadata larger than allowed for), and etcd
         // refused the write. Retrying cannot help.
-        AllocError::Store(s) if s.is_too_large() => CniError::new(
+        AllocError::Datastore(s) if s.is_too_large() => CniError::new(
             Code::Exhausted,
             format!("datastore: {s}: the pool has grown past the largest object the API server can store; split the range into smaller ranges or use node slices (docs/reliability.md, Limits)"),
         )
@@ -158,7 +158,7 @@ fn alloc_error(e: AllocError) -> CniError {
         AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
             CniError::new(Code::TryAgainLater, e.to_string())
         }
-        AllocError::Store(s) => {
+        AllocError::Datastore(s) => {
             CniError::new(Code::TryAgainLater, format!("datastore: {s}")).with_details(s.kind())
         }
     }
@@ -166,7 +166,7 @@ fn alloc_error(e: AllocError) -> CniError {
 
 /// Releases every range; a failing range does not stop the others, and any failure is reported
 /// so the runtime retries (a second DEL is harmless).
-async fn del<S: Store, A: Allocate<S>>(
+async fn del<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
@@ -189,7 +189,7 @@ async fn del<S: Store, A: Allocate<S>>(
 }
 
 /// Checks that every range holds an entry for this attachment whose address is in `prevResult`.
-async fn check<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
+async fn check<S: Datastore>(store: &S, req: &Request) -> Result<(), CniError> {
     let prev: Vec<IpAddr> = req
         .conf
         .value
@@ -236,7 +236,7 @@ async fn check<S: Store>(store: &S, req: &Request) -> Result<(), CniError> {
 /// CNI 1.1 GC: releases entries of this network's pools whose attachment is not in
 /// `cni.dev/valid-attachments` *and* whose pod no longer exists. The list a runtime passes covers
 /// its own node only, so the pod check is what keeps other nodes' live pods safe.
-async fn gc<S: Store>(store: &S, req: &Request) -> Result<usize, CniError> {
+async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
     let valid = valid_attachments(&req.conf.value)?;
     let retry =
         |e: crate::store::StoreError| CniError::new(Code::TryAgainLater, format!("datastore: {e}"));
@@ -299,7 +299,7 @@ fn valid_attachments(conf: &Value) -> Result<HashSet<(String, String)>, CniError
 }
 
 /// STATUS: ready when the datastore answers.
-async fn status<S: Store>(store: &S) -> Result<(), CniError> {
+async fn status<S: Datastore>(store: &S) -> Result<(), CniError> {
     store
         .get_pool("whereabouts-status-probe")
         .await

@@ -1,5 +1,5 @@
 //! The CNI plugin: the runtime's invocation read once ([`Invocation`]), validated into a
-//! [`Request`], and run over a [`Store`](crate::store::Store) ([`handle`]), by this process or
+//! [`Request`], and run over a [`Datastore`](crate::store::Datastore) ([`handle`]), by this process or
 //! handed to the node agent ([`handoff`]). [`run`] is the plugin binary's `main`.
 //!
 //! | file | concern |

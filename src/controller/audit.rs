@@ -23,7 +23,7 @@ use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
     parse_network_status,
 };
-use crate::store::{Store, StoreError, TURN_LABEL, TURN_SECONDS, Write};
+use crate::store::{Datastore, StoreError, TURN_LABEL, TURN_SECONDS, Write};
 
 /// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
 /// for the grace period. Suspects that stop being stale are forgotten.

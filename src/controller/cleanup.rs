@@ -18,7 +18,7 @@ use crate::crd::IPAllocation;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status, secondary_addresses,
 };
-use crate::store::Store;
+use crate::store::Datastore;
 use crate::store::StoreError;
 
 /// Keeps only what cleanup needs, so a cache of 10,000 pods stays small: name, namespace, UID,

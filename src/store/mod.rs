@@ -110,7 +110,7 @@ pub fn recent_buckets(now_secs: i64) -> [i64; 3] {
     [b - 1, b, b + 1]
 }
 
-/// The outcome of [`Store::add_allocations`] and [`Store::remove_allocations`].
+/// The outcome of [`Datastore::add_allocations`] and [`Datastore::remove_allocations`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum PoolWrite {
     /// Written; the pool as it is now (with its new resourceVersion).
@@ -129,14 +129,14 @@ pub const TURN_SECONDS: u64 = 5;
 /// abandoned by killed plugins.
 pub const TURN_LABEL: &str = "whereabouts.cni.cncf.io/writer-turn";
 
-/// A pool's writer turn, held until [`Store::end_turn`].
+/// A pool's writer turn, held until [`Datastore::end_turn`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Turn {
     pub pool: String,
     pub uid: String,
 }
 
-/// The outcome of [`Store::take_turn`].
+/// The outcome of [`Datastore::take_turn`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TurnAttempt {
     Taken(Turn),
@@ -250,7 +250,7 @@ pub const TOO_LARGE: &str = "request is too large";
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// Storage operations, each one request. Implemented for Kubernetes and in memory.
-pub trait Store: Send + Sync {
+pub trait Datastore: Send + Sync {
     fn get_pool(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
     /// The pool as the API server's cache has it: possibly a moment old, for reads whose
     /// staleness a conditional write catches.

@@ -8,11 +8,11 @@ use super::{CLAIMS_IN_FLIGHT, Slot, State};
 use crate::alloc::claim::{Claim, PendingClaim};
 use crate::alloc::pool::ObjectRoom;
 use crate::alloc::{AllocError, Engine};
-use crate::store::{Pool, Store, StoreError};
+use crate::store::{Datastore, Pool, StoreError};
 
 /// Picks an address for every open job (lowest free first, each pick taken before the next) and
 /// claims them all at once. True when some claim was lost to another claimant.
-pub(super) async fn claim_open<S: Store>(
+pub(super) async fn claim_open<S: Datastore>(
     engine: Engine<'_, S>,
     pool: &Pool,
     slots: &mut [Slot],
@@ -43,7 +43,7 @@ pub(super) async fn claim_open<S: Store>(
                 slot.conflicts += 1;
                 State::Open
             }
-            Err(e) => State::Finished(Err(AllocError::Store(e))),
+            Err(e) => State::Finished(Err(AllocError::Datastore(e))),
         };
     }
     Ok(lost)
@@ -51,7 +51,7 @@ pub(super) async fn claim_open<S: Store>(
 
 /// An address for every open job that can have one here, as (slot, offset); the others are
 /// finished (exhausted, pool object full) or sent the one-by-one way.
-fn pick_all<S: Store>(
+fn pick_all<S: Datastore>(
     engine: Engine<'_, S>,
     pool: &Pool,
     pending: &[PendingClaim],
@@ -109,7 +109,7 @@ fn pick_all<S: Store>(
 }
 
 /// Claims the picked addresses, [`CLAIMS_IN_FLIGHT`] at a time: (slot, offset, outcome).
-async fn claim_all<S: Store>(
+async fn claim_all<S: Datastore>(
     store: &S,
     slots: &[Slot],
     picked: Vec<(usize, u128)>,

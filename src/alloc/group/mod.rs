@@ -23,7 +23,7 @@ use futures::StreamExt;
 use super::{AllocError, Allocated, Attachment, Engine, Target, same_owner};
 use crate::crd::IPAllocation;
 use crate::retry::LOST_WRITE;
-use crate::store::{Pool, PoolWrite, Store, StoreError};
+use crate::store::{Datastore, Pool, PoolWrite, StoreError};
 
 pub use release::release_group;
 
@@ -85,7 +85,7 @@ impl Slot {
 }
 
 /// Allocates one address for each job, all from the same pool; the results are in job order.
-pub async fn allocate_group<S: Store>(
+pub async fn allocate_group<S: Datastore>(
     store: &S,
     jobs: Vec<Job>,
 ) -> Vec<Result<Allocated, AllocError>> {
@@ -95,7 +95,7 @@ pub async fn allocate_group<S: Store>(
 /// [`allocate_group`], starting from `known`, a version of the pool this caller read or wrote a
 /// moment ago (instead of reading it), and returning the version the group left, if it knows it.
 /// A stale `known` costs one lost write and a re-read, never a wrong allocation.
-pub async fn allocate_group_from<S: Store>(
+pub async fn allocate_group_from<S: Datastore>(
     store: &S,
     jobs: Vec<Job>,
     known: Option<Pool>,
@@ -116,7 +116,7 @@ pub async fn allocate_group_from<S: Store>(
         Err(e) => {
             // A claim already made stays: the runtime's retry of this ADD adopts it.
             for slot in slots.iter_mut().filter(|s| s.unsettled()) {
-                slot.state = State::Finished(Err(AllocError::Store(e.clone())));
+                slot.state = State::Finished(Err(AllocError::Datastore(e.clone())));
             }
             None
         }
@@ -134,7 +134,10 @@ pub async fn allocate_group_from<S: Store>(
 /// The results in job order, after running the jobs that go alone one by one. Bounded: the
 /// one-by-one path may wait on watches of the pool, and a burst of them (the retries after an
 /// agent restart) must not take every stream of the agent's connection.
-async fn one_by_one<S: Store>(store: &S, slots: Vec<Slot>) -> Vec<Result<Allocated, AllocError>> {
+async fn one_by_one<S: Datastore>(
+    store: &S,
+    slots: Vec<Slot>,
+) -> Vec<Result<Allocated, AllocError>> {
     let alone: Vec<_> = slots
         .iter()
         .filter(|s| matches!(s.state, State::Alone))
@@ -156,7 +159,7 @@ async fn one_by_one<S: Store>(store: &S, slots: Vec<Slot>) -> Vec<Result<Allocat
 
 /// Claims and records until every job is settled or the rounds run out.
 /// Returns the last version of the pool seen.
-async fn rounds<S: Store>(
+async fn rounds<S: Datastore>(
     store: &S,
     slots: &mut [Slot],
     known: Option<Pool>,
@@ -206,7 +209,7 @@ async fn rounds<S: Store>(
 /// Finishes the jobs whose claims the pool records, re-opens those whose address went to a writer
 /// that takes no reservations, and sends attachments that already hold an entry the one-by-one
 /// way (which reuses it).
-async fn settle<S: Store>(
+async fn settle<S: Datastore>(
     store: &S,
     pool: &Pool,
     slots: &mut [Slot],

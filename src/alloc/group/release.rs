@@ -8,7 +8,7 @@ use futures::StreamExt;
 use super::{CLAIMS_IN_FLIGHT, Job};
 use crate::alloc::remove_entries;
 use crate::crd::IPAllocation;
-use crate::store::{Store, StoreError};
+use crate::store::{Datastore, StoreError};
 
 /// A reservation to delete once its entry is gone: (name, uid, resourceVersion).
 type Held = (String, String, String);
@@ -19,7 +19,7 @@ type Held = (String, String, String);
 /// entries, each at the version read, so that one a new container of the pod took over meanwhile
 /// is kept. The DELs of a node's scaled-down deployment cost one pool write instead of one each.
 /// Results in job order: the addresses released.
-pub async fn release_group<S: Store>(
+pub async fn release_group<S: Datastore>(
     store: &S,
     jobs: &[Job],
 ) -> Vec<Result<Vec<IpAddr>, StoreError>> {
@@ -30,7 +30,10 @@ pub async fn release_group<S: Store>(
     }
 }
 
-async fn release_all<S: Store>(store: &S, jobs: &[Job]) -> Result<Vec<Vec<IpAddr>>, StoreError> {
+async fn release_all<S: Datastore>(
+    store: &S,
+    jobs: &[Job],
+) -> Result<Vec<Vec<IpAddr>>, StoreError> {
     let Some(first) = jobs.first() else {
         return Ok(Vec::new());
     };
@@ -79,7 +82,7 @@ async fn release_all<S: Store>(store: &S, jobs: &[Job]) -> Result<Vec<Vec<IpAddr
 }
 
 /// The reservation of each entry (when it names the entry's pod), in `mine`'s order.
-async fn read_reservations<S: Store>(
+async fn read_reservations<S: Datastore>(
     store: &S,
     jobs: &[Job],
     mine: &[(usize, u128, IPAllocation)],

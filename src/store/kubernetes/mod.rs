@@ -1,4 +1,4 @@
-//! The Kubernetes [`Store`]: IPPools, OverlappingRangeIPReservations and pools' writer turns
+//! The Kubernetes [`Datastore`]: IPPools, OverlappingRangeIPReservations and pools' writer turns
 //! (Leases) in the pool namespace.
 //!
 //! Entries are added, and removed in batches, with merge patches carrying
@@ -22,9 +22,9 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, Pool, PoolClaim, PoolWrite, RELEASING_LABEL,
-    Reservation, Result, Store, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write, claim_bucket,
-    now_secs, recent_buckets,
+    CLAIMED_LABEL, Datastore, IP_ANNOTATION, POOL_LABEL, Pool, PoolClaim, PoolWrite,
+    RELEASING_LABEL, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write,
+    claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
@@ -61,7 +61,7 @@ impl KubeStore {
     }
 }
 
-impl Store for KubeStore {
+impl Datastore for KubeStore {
     async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
         let found = retrying(|| self.pools.get_opt(name))
             .await

@@ -1,4 +1,4 @@
-//! The requests behind the [`Store`](crate::store::Store) operations that take more than one
+//! The requests behind the [`Datastore`](crate::store::Datastore) operations that take more than one
 //! call of kube's API: conditional pool patches, reservation patches, claims lists, Lease deletes.
 
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};

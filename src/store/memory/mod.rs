@@ -1,5 +1,5 @@
-//! An in-memory [`Store`](super::Store) with the same conditional semantics as the Kubernetes one, for fast tests
-//! of the CNI handlers (including concurrency) without a cluster.
+//! An in-memory [`Datastore`](super::Datastore) with the same conditional semantics as the
+//! Kubernetes one, for fast tests of the CNI handlers (including concurrency) without a cluster.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

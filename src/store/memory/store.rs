@@ -1,4 +1,4 @@
-//! The [`Store`] operations of a [`MemoryStore`], and watches of its pools.
+//! The [`Datastore`] operations of a [`MemoryStore`], and watches of its pools.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -9,7 +9,8 @@ use tokio::sync::watch;
 use super::{MemoryStore, State};
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::store::{
-    Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Store, Turn, TurnAttempt, Write,
+    Datastore, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Turn, TurnAttempt,
+    Write,
 };
 
 /// Watches a pool of a [`MemoryStore`].
@@ -50,7 +51,7 @@ fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
     current.id == expected.id && current.podref == expected.podref
 }
 
-impl Store for MemoryStore {
+impl Datastore for MemoryStore {
     async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
         self.pause().await;
         self.check("get", name)?;
