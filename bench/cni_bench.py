@@ -64,6 +64,15 @@ IMPLS = {
         "env": {},
         "log_level": "verbose",
     },
+    # An earlier build of ours with its own node agent (--baseline and --baseline-operator), run
+    # exactly like "ours-agent", to check the agent path for regressions in the same run.
+    "ours-agent-baseline": {
+        "label": "ours, node agent, baseline",
+        "binary": None,
+        "agent": None,
+        "env": {},
+        "log_level": "verbose",
+    },
     "upstream": {
         "label": "upstream",
         "binary": BENCH / "bin" / "whereabouts-upstream",
@@ -828,6 +837,9 @@ def main():
                     help="an earlier build of our plugin, run as implementation ours-baseline")
     ap.add_argument("--operator", help="path of our operator binary, for ours-agent "
                                        "(default target/release/whereabouts-operator)")
+    ap.add_argument("--baseline-operator", metavar="PATH[=LABEL]",
+                    help="the operator binary of the --baseline build: runs implementation "
+                         "ours-agent-baseline (the baseline plugin with its own node agent)")
     ap.add_argument("--seq", type=int, default=100, help="sequential ADDs (default 100; 0 skips)")
     ap.add_argument("--concurrency", default="50,100,200")
     ap.add_argument("--scenarios", default="seq,conc-v4,conc-ds")
@@ -861,6 +873,14 @@ def main():
             IMPLS["ours-baseline"]["label"] = label
     if args.operator:
         IMPLS["ours-agent"]["agent"] = Path(args.operator).resolve()
+    if args.baseline_operator:
+        if not args.baseline:
+            sys.exit("--baseline-operator needs --baseline (the plugin of the same build)")
+        path, _, label = args.baseline_operator.partition("=")
+        IMPLS["ours-agent-baseline"]["agent"] = Path(path).resolve()
+        IMPLS["ours-agent-baseline"]["binary"] = IMPLS["ours-baseline"]["binary"]
+        if label:
+            IMPLS["ours-agent-baseline"]["label"] = label
     if args.upstream:
         IMPLS["upstream"]["binary"] = Path(args.upstream).resolve()
     impls = [s for s in args.impls.split(",") if s]
