@@ -9,7 +9,8 @@
 #    from webhook-certs/mint.sh; vegeta (Go, installed into bench/bin through the Go module proxy)
 #    sends AdmissionReviews for a typical NAD at a constant RATE over keep-alive TLS connections and
 #    reports latency percentiles.
-# SKIP_BUILD=1 uses target/release as it is. CLUSTER_NADS=N first creates N NADs in the cluster
+# SKIP_BUILD=1 uses target/release as it is; OPERATOR=PATH measures that operator binary instead
+# (an earlier build, for a before/after comparison in one session). CLUSTER_NADS=N first creates N NADs in the cluster
 # (namespace bench-nads) on the range and network of the warn-cross-nad fixture, which is then
 # measured too: each of its admissions is an overlap query against N cached NADs.
 # 2. validate: 10,000 generated NADs in one multi-document YAML file, timed with the release binary
@@ -27,8 +28,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-[[ "${SKIP_BUILD:-0}" == 1 ]] || cargo build -q --release --bin whereabouts-operator
-OP="$PWD/target/release/whereabouts-operator"
+if [[ -n "${OPERATOR:-}" ]]; then
+  OP="$(realpath "$OPERATOR")"
+else
+  [[ "${SKIP_BUILD:-0}" == 1 ]] || cargo build -q --release --bin whereabouts-operator
+  OP="$PWD/target/release/whereabouts-operator"
+fi
 VEGETA="$PWD/bench/bin/vegeta"
 if [[ ! -x "$VEGETA" ]]; then
   GOBIN="$PWD/bench/bin" go install github.com/tsenart/vegeta/v12@v12.12.0
