@@ -1,9 +1,9 @@
 //! The agent's allocator: one queue per pool, drained by one worker that runs everything queued
-//! as two groups, the releases ([`release_group`]) and then the allocations
-//! ([`allocate_group_from`]). While a group is being written, the next requests queue up, so the
-//! group size follows the arrival rate with no added delay: a request alone is served at once, a
-//! burst of hundreds in a handful of pool writes. One worker per pool also means the agent never
-//! races itself for a pool.
+//! as two groups, the releases ([`release_group`](crate::alloc::group::release_group)) and then
+//! the allocations ([`allocate_group_from`](crate::alloc::group::allocate_group_from)). While a
+//! group is being written, the next requests queue up, so the group size follows the arrival
+//! rate with no added delay: a request alone is served at once, a burst of hundreds in a handful
+//! of pool writes. One worker per pool also means the agent never races itself for a pool.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -13,14 +13,15 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::alloc::group::{allocate_group_from, release_group};
 use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
 use crate::metrics::agent::AgentMetrics;
-use crate::store::{Datastore, Pool, StoreError};
+use crate::store::{Datastore, StoreError};
 
 mod depth;
+mod worker;
 
 pub use depth::QueueDepth;
+use worker::worker;
 
 /// The most ADDs one group takes; the rest wait for the next group.
 const MAX_GROUP: usize = 500;
@@ -383,112 +384,6 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         let slot = self.slot(&target.pool);
         self.batcher.submit_release(Job::new(target, who), slot)
     }
-}
-
-async fn worker<S: Datastore>(
-    store: Arc<S>,
-    metrics: Arc<AgentMetrics>,
-    pool: String,
-    mut rx: mpsc::UnboundedReceiver<Queued>,
-) {
-    let mut known: Option<(tokio::time::Instant, Pool)> = None;
-    // Work held back from the last batch to keep its order (see `conflicts`).
-    let mut carried: Option<Queued> = None;
-    loop {
-        let first = match carried.take() {
-            Some(work) => work,
-            None => match tokio::time::timeout(IDLE, rx.recv()).await {
-                Ok(Some(first)) => first,
-                Ok(None) => return,
-                Err(_) => {
-                    // Refuse new work (its senders start a new worker), finish what is queued.
-                    rx.close();
-                    match rx.recv().await {
-                        Some(first) => first,
-                        None => return,
-                    }
-                }
-            },
-        };
-        let mut queued = vec![first];
-        while queued.len() < MAX_GROUP {
-            match rx.try_recv() {
-                // A batch runs its releases before its allocations: a DEL that arrived after an
-                // ADD of the same interface waits for the next batch, or it would release
-                // nothing and the ADD would then record an address for a gone container.
-                Ok(next) if conflicts(&queued, &next.work) => {
-                    carried = Some(next);
-                    break;
-                }
-                Ok(next) => queued.push(next),
-                Err(_) => break,
-            }
-        }
-        // Taken into the group: the places in the queue are free for the next requests.
-        let mut queued: Vec<Work> = queued.into_iter().map(|q| q.work).collect();
-        // A request that ran out of time meanwhile has rolled back: it must take nothing.
-        queued.retain(|w| !w.abandoned());
-        let (mut adds, mut dels) = (Vec::new(), Vec::new());
-        for work in queued {
-            match work {
-                Work::Allocate(job, reply) => adds.push((job, reply)),
-                Work::Release(job, reply) => dels.push((job, reply)),
-            }
-        }
-        let started = tokio::time::Instant::now();
-        if !dels.is_empty() {
-            // Releases first: the addresses they free are there for the allocations.
-            let (jobs, replies): (Vec<Job>, Vec<Released>) = dels.into_iter().unzip();
-            metrics.observe_group("del", jobs.len());
-            let results = release_group(&*store, &jobs).await;
-            tracing::debug!(%pool, size = jobs.len(), ms = started.elapsed().as_millis() as u64, "group released");
-            for (reply, result) in replies.into_iter().zip(results) {
-                let _ = reply.send(result);
-            }
-            known = None;
-        }
-        if !adds.is_empty() {
-            let (jobs, replies): (Vec<Job>, Vec<Reply>) = adds.into_iter().unzip();
-            let size = jobs.len();
-            metrics.observe_group("add", size);
-            // The version this worker wrote last is the pool's current one unless another node
-            // wrote since: start from it while it is fresh, saving a read (and, when the read
-            // would come from the API server's lagging cache, a lost write).
-            let start = known
-                .take()
-                .filter(|(at, _)| at.elapsed() < KNOWN_FOR)
-                .map(|(_, p)| p);
-            let (results, last) = allocate_group_from(&*store, jobs.clone(), start).await;
-            known = last.map(|pool| (tokio::time::Instant::now(), pool));
-            tracing::debug!(%pool, size, ms = started.elapsed().as_millis() as u64, "group allocated");
-            let mut orphans = Vec::new();
-            for ((reply, result), job) in replies.into_iter().zip(results).zip(jobs) {
-                // The ADD ran out of time while its group ran, and has rolled back what it found:
-                // the address recorded after that is released here, not left to the audit.
-                if let Err(Ok(_)) = reply.send(result) {
-                    orphans.push(job);
-                }
-            }
-            if !orphans.is_empty() {
-                tracing::warn!(%pool, count = orphans.len(), "releasing addresses of ADDs that gave up waiting");
-                release_group(&*store, &orphans).await;
-                known = None;
-            }
-        }
-    }
-}
-
-/// Whether `next` releases an interface that an allocation already in `queued` is for.
-fn conflicts(queued: &[Queued], next: &Work) -> bool {
-    let Work::Release(del, _) = next else {
-        return false;
-    };
-    queued.iter().any(|q| match &q.work {
-        Work::Allocate(add, _) => {
-            add.who.container_id == del.who.container_id && add.who.ifname == del.who.ifname
-        }
-        Work::Release(..) => false,
-    })
 }
 
 #[cfg(test)]

@@ -276,12 +276,38 @@ pub fn api_server(args: &InstallCniArgs) -> anyhow::Result<String> {
 /// The kubeconfig the plugin uses: the token and CA embedded, the pool namespace as the context
 /// namespace.
 pub fn kubeconfig(args: &InstallCniArgs) -> anyhow::Result<String> {
+    let token = read_token(args)?;
+    let ca = read_ca(args)?;
+    let namespace = pool_namespace(args)?;
+    let server = api_server(args)?;
+    let config = plugin_kubeconfig(server, &ca, &token, namespace);
+    // Plain scalars, not folded blocks: the token and the CA data are long single words.
+    let yaml = serde_saphyr::to_string_with_options(
+        &config,
+        serde_saphyr::ser_options! { prefer_block_scalars: false },
+    )
+    .context("serialise the kubeconfig")?;
+    Ok(format!(
+        "# Written by whereabouts-operator install-cni for the whereabouts CNI plugin; rewritten when\n\
+         # the ServiceAccount token or the CA changes.\n\
+         {yaml}"
+    ))
+}
+
+/// The ServiceAccount token (--token-file), trimmed: an empty one would authenticate nothing.
+fn read_token(args: &InstallCniArgs) -> anyhow::Result<String> {
     let token = String::from_utf8(read_flag(&args.token_file, "--token-file")?)
         .with_context(|| format!("--token-file {}: not UTF-8", args.token_file.display()))?;
     let token = token.trim();
     if token.is_empty() {
         bail!("--token-file {}: is empty", args.token_file.display());
     }
+    Ok(token.to_owned())
+}
+
+/// The CA bundle (--ca-file), which must hold a PEM certificate for the plugin to trust the API
+/// server.
+fn read_ca(args: &InstallCniArgs) -> anyhow::Result<Vec<u8>> {
     let ca = read_flag(&args.ca_file, "--ca-file")?;
     if !String::from_utf8_lossy(&ca).contains("-----BEGIN CERTIFICATE-----") {
         bail!(
@@ -289,31 +315,38 @@ pub fn kubeconfig(args: &InstallCniArgs) -> anyhow::Result<String> {
             args.ca_file.display()
         );
     }
-    let namespace = match args.pool_namespace.as_deref().filter(|n| !n.is_empty()) {
-        Some(ns) => ns.to_owned(),
-        None => {
-            let ns = String::from_utf8_lossy(&read_flag(&args.namespace_file, "--namespace-file")?)
-                .trim()
-                .to_owned();
-            if ns.is_empty() {
-                bail!(
-                    "--namespace-file {}: is empty (or set --pool-namespace)",
-                    args.namespace_file.display()
-                );
-            }
-            ns
-        }
-    };
-    let server = api_server(args)?;
+    Ok(ca)
+}
+
+/// The pools' namespace: --pool-namespace, else the pod's own (--namespace-file).
+fn pool_namespace(args: &InstallCniArgs) -> anyhow::Result<String> {
+    if let Some(ns) = args.pool_namespace.as_deref().filter(|n| !n.is_empty()) {
+        return Ok(ns.to_owned());
+    }
+    let ns = String::from_utf8_lossy(&read_flag(&args.namespace_file, "--namespace-file")?)
+        .trim()
+        .to_owned();
+    if ns.is_empty() {
+        bail!(
+            "--namespace-file {}: is empty (or set --pool-namespace)",
+            args.namespace_file.display()
+        );
+    }
+    Ok(ns)
+}
+
+/// One cluster, one user and one context, all named `whereabouts`, and nothing else: the fields
+/// kube's types leave unset are not written, so kubectl reads the file as well as the plugin.
+fn plugin_kubeconfig(server: String, ca: &[u8], token: &str, namespace: String) -> Kubeconfig {
     let name = || "whereabouts".to_owned();
-    let config = Kubeconfig {
+    Kubeconfig {
         api_version: Some("v1".to_owned()),
         kind: Some("Config".to_owned()),
         clusters: vec![NamedCluster {
             name: name(),
             cluster: Some(Cluster {
                 server: Some(server),
-                certificate_authority_data: Some(CA_DATA.encode(&ca)),
+                certificate_authority_data: Some(CA_DATA.encode(ca)),
                 ..Cluster::default()
             }),
             ..NamedCluster::default()
@@ -338,18 +371,7 @@ pub fn kubeconfig(args: &InstallCniArgs) -> anyhow::Result<String> {
         }],
         current_context: Some(name()),
         ..Kubeconfig::default()
-    };
-    // Plain scalars, not folded blocks: the token and the CA data are long single words.
-    let yaml = serde_saphyr::to_string_with_options(
-        &config,
-        serde_saphyr::ser_options! { prefer_block_scalars: false },
-    )
-    .context("serialise the kubeconfig")?;
-    Ok(format!(
-        "# Written by whereabouts-operator install-cni for the whereabouts CNI plugin; rewritten when\n\
-         # the ServiceAccount token or the CA changes.\n\
-         {yaml}"
-    ))
+    }
 }
 
 /// How the CA bundle is embedded (`certificate-authority-data`): standard base64 with padding,
@@ -419,77 +441,4 @@ pub fn remove_stale_temps(dir: &Path) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_vectors() {
-        for (plain, encoded) in [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ] {
-            assert_eq!(CA_DATA.encode(plain.as_bytes()), encoded, "{plain}");
-        }
-        assert_eq!(CA_DATA.encode([0xff, 0xfe, 0xfd]), "//79");
-    }
-
-    /// The kubeconfig holds exactly what the hand-written one did (kube's types add no nulls or
-    /// empty fields kubectl would trip on), under the comment that says who writes it.
-    #[test]
-    fn kubeconfig_is_the_standard_one_and_nothing_more() {
-        let dir = tempfile::tempdir().unwrap();
-        let ca = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
-        std::fs::write(dir.path().join("token"), "tok: en\n").unwrap();
-        std::fs::write(dir.path().join("ca.crt"), ca).unwrap();
-        let mut args = InstallCniArgs::defaults();
-        args.token_file = dir.path().join("token");
-        args.ca_file = dir.path().join("ca.crt");
-        args.api_server = Some("https://[fd00::1]:443".into());
-        args.pool_namespace = Some("pools".into());
-        let text = kubeconfig(&args).unwrap();
-        assert!(
-            text.starts_with("# Written by whereabouts-operator install-cni"),
-            "{text}"
-        );
-        assert!(!text.contains("null") && !text.contains("~"), "{text}");
-        let parsed: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
-        assert_eq!(
-            parsed,
-            serde_json::json!({
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "whereabouts", "cluster": {
-                    "server": "https://[fd00::1]:443",
-                    "certificate-authority-data": CA_DATA.encode(ca),
-                }}],
-                "users": [{"name": "whereabouts", "user": {"token": "tok: en"}}],
-                "contexts": [{"name": "whereabouts", "context": {
-                    "cluster": "whereabouts", "user": "whereabouts", "namespace": "pools",
-                }}],
-                "current-context": "whereabouts",
-            }),
-            "{text}"
-        );
-    }
-
-    #[test]
-    fn targets_are_under_the_host_root() {
-        let mut args = InstallCniArgs::defaults();
-        args.host_root = "/tmp/h".into();
-        let t = args.targets();
-        assert_eq!(t.binary, Path::new("/tmp/h/opt/cni/bin/whereabouts"));
-        assert_eq!(
-            t.flat_file,
-            Path::new("/tmp/h/etc/cni/net.d/whereabouts.d/whereabouts.conf")
-        );
-        assert_eq!(
-            args.host_kubeconfig_path(),
-            Path::new("/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig")
-        );
-    }
-}
+mod tests;

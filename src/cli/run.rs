@@ -119,33 +119,77 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // The operator's one registry: the controllers and the webhook count into it, the admin port
     // renders it.
     let metrics = Arc::new(Metrics::new());
-    let mut admin_state = AdminState::new({
+    let admin_state = AdminState::new({
         let metrics = metrics.clone();
         move || metrics.render()
     });
-    let mut tasks: Vec<Task> = Vec::new();
+    let mut components = Components {
+        tasks: Vec::new(),
+        admin_state,
+        metrics,
+        shutdown,
+    };
     let (client, namespace) = client().await?;
+    let nads = components.start_nad_cache(client.clone());
+    let tasks = components
+        .start_webhook(&args, &nads)?
+        .start_controllers(&args, client, namespace, nads)
+        .start_admin(&args)
+        .await?;
+    supervise(tasks, stop_tx).await
+}
 
-    // One NAD watch feeds both the webhook (overlap warnings) and the NAD controller.
-    let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
-    let nad_changed = Arc::new(tokio::sync::Notify::new());
-    let nad_generation = Arc::new(AtomicU64::new(0));
-    let cache = Arc::new(AtomicU8::new(SYNCING));
-    tasks.push(Box::pin(nad_cache(
-        client.clone(),
-        writer,
-        cache.clone(),
-        NadChanged {
-            notify: nad_changed.clone(),
-            generation: nad_generation.clone(),
-        },
-        shutdown.clone(),
-    )));
+/// What `run` builds the components into, one after the other: the tasks the supervisor runs,
+/// the admin port's readiness checks (each component adds its own), and what they all share.
+struct Components {
+    tasks: Vec<Task>,
+    admin_state: AdminState,
+    metrics: Arc<Metrics>,
+    shutdown: Shutdown,
+}
 
-    if let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) {
+/// The NAD watch cache: its store, who hears of its changes, and its readiness.
+struct Nads {
+    store: reflector::Store<NetworkAttachmentDefinition>,
+    changed: Arc<tokio::sync::Notify>,
+    generation: Arc<AtomicU64>,
+    cache: Arc<AtomicU8>,
+}
+
+impl Components {
+    /// One NAD watch feeds both the webhook (overlap warnings) and the NAD controller.
+    fn start_nad_cache(&mut self, client: Client) -> Nads {
+        let (store, writer) = reflector::store::<NetworkAttachmentDefinition>();
+        let nads = Nads {
+            store,
+            changed: Arc::new(tokio::sync::Notify::new()),
+            generation: Arc::new(AtomicU64::new(0)),
+            cache: Arc::new(AtomicU8::new(SYNCING)),
+        };
+        self.tasks.push(Box::pin(nad_cache(
+            client,
+            writer,
+            nads.cache.clone(),
+            NadChanged {
+                notify: nads.changed.clone(),
+                generation: nads.generation.clone(),
+            },
+            self.shutdown.clone(),
+        )));
+        nads
+    }
+
+    /// The admission webhook, when a certificate is given: ready once the certificate is loaded
+    /// and the NAD cache has synced. Its port is bound here, so a bad address fails the start.
+    fn start_webhook(mut self, args: &RunArgs, nads: &Nads) -> anyhow::Result<Self> {
+        let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) else {
+            tracing::info!("no --tls-cert-file/--tls-key-file: the admission webhook is off");
+            return Ok(self);
+        };
         let loaded = Arc::new(AtomicBool::new(false));
-        let (l, c) = (loaded.clone(), cache.clone());
-        admin_state = admin_state
+        let (l, c) = (loaded.clone(), nads.cache.clone());
+        self.admin_state = self
+            .admin_state
             .check("webhook-certificate", move || {
                 l.load(Ordering::SeqCst)
                     .then_some(())
@@ -165,67 +209,74 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let app = webhook::router_with(
             WebhookState::new(
                 Arc::new(WatchedNads {
-                    store: store.clone(),
-                    generation: nad_generation.clone(),
+                    store: nads.store.clone(),
+                    generation: nads.generation.clone(),
                 }),
-                metrics.clone(),
+                self.metrics.clone(),
             ),
             &limits,
         );
         let files = CertFiles::new(cert, key);
-        let stop = shutdown.clone();
-        tasks.push(Box::pin(async move {
-            tracing::info!(addr = %args.webhook_addr, "admission webhook listening (HTTPS)");
+        let (stop, addr) = (self.shutdown.clone(), args.webhook_addr);
+        self.tasks.push(Box::pin(async move {
+            tracing::info!(addr = %addr, "admission webhook listening (HTTPS)");
             webhook::tls::serve(listener, files, app, limits, loaded, stop.wait())
                 .await
                 .context("webhook server")
         }));
-    } else {
-        tracing::info!("no --tls-cert-file/--tls-key-file: the admission webhook is off");
+        Ok(self)
     }
 
-    let health = Arc::new(crate::controller::Health::default());
-    let (h1, h2) = (health.clone(), health.clone());
-    admin_state = admin_state
-        .check("caches", move || flag(&h1.caches_synced, "not synced"))
-        .check("leader-election", move || {
-            flag(&h2.election_running, "not running")
-        });
-    let opts = crate::controller::Options {
-        pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
-        audit_interval: args.audit_interval,
-        stale_grace: args.stale_grace,
-        dry_run: args.dry_run,
-        leader_election: args.leader_election,
-        identity: identity(),
-    };
-    tracing::info!(pool_namespace = %opts.pool_namespace, identity = %opts.identity, dry_run = opts.dry_run, "controllers starting");
-    let stop = shutdown.clone();
-    tasks.push(Box::pin(async move {
-        crate::controller::run(
-            client,
-            opts,
-            health,
-            store,
-            nad_changed,
-            metrics,
-            stop.wait(),
-        )
-        .await
-    }));
+    /// The controllers (pod cleanup, pool audit, NAD/pool reconciliation, leader election), with
+    /// the readiness checks of their caches and of the election.
+    fn start_controllers(
+        mut self,
+        args: &RunArgs,
+        client: Client,
+        namespace: String,
+        nads: Nads,
+    ) -> Self {
+        let health = Arc::new(crate::controller::Health::default());
+        let (h1, h2) = (health.clone(), health.clone());
+        self.admin_state = self
+            .admin_state
+            .check("caches", move || flag(&h1.caches_synced, "not synced"))
+            .check("leader-election", move || {
+                flag(&h2.election_running, "not running")
+            });
+        let opts = crate::controller::Options {
+            pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
+            audit_interval: args.audit_interval,
+            stale_grace: args.stale_grace,
+            dry_run: args.dry_run,
+            leader_election: args.leader_election,
+            identity: identity(),
+        };
+        tracing::info!(pool_namespace = %opts.pool_namespace, identity = %opts.identity, dry_run = opts.dry_run, "controllers starting");
+        let (stop, metrics) = (self.shutdown.clone(), self.metrics.clone());
+        let Nads { store, changed, .. } = nads;
+        self.tasks.push(Box::pin(async move {
+            crate::controller::run(client, opts, health, store, changed, metrics, stop.wait()).await
+        }));
+        self
+    }
 
-    let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
-        .await
-        .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
-    let stop = shutdown.clone();
-    tasks.push(Box::pin(async move {
-        tracing::info!(addr = %args.admin_addr, "admin port listening (HTTP)");
-        axum::serve(admin_listener, admin::router(admin_state))
-            .with_graceful_shutdown(stop.wait())
+    /// The admin port (probes and metrics), last: it serves the checks every component added.
+    /// Returns the tasks, now all there.
+    async fn start_admin(mut self, args: &RunArgs) -> anyhow::Result<Vec<Task>> {
+        let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
             .await
-            .context("admin server")
-    }));
-    supervise(tasks, stop_tx).await
+            .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
+        let (stop, addr, admin_state) = (self.shutdown.clone(), args.admin_addr, self.admin_state);
+        self.tasks.push(Box::pin(async move {
+            tracing::info!(addr = %addr, "admin port listening (HTTP)");
+            axum::serve(admin_listener, admin::router(admin_state))
+                .with_graceful_shutdown(stop.wait())
+                .await
+                .context("admin server")
+        }));
+        Ok(self.tasks)
+    }
 }
 
 /// Runs every task; the first failure or a signal stops them all.

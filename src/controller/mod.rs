@@ -157,7 +157,6 @@ pub async fn run(
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let wc = watcher::Config::default;
     let (pods, pods_w) = reflector::store::<Pod>();
     let (pools, pools_w) = reflector::store::<IPPool>();
     let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
@@ -167,50 +166,17 @@ pub async fn run(
         nads.clone(),
     )));
 
-    let pod_watch = watcher(Api::<Pod>::all(client.clone()), wc())
-        .default_backoff()
-        .modify(cleanup::trim)
-        .reflect(pods_w);
-    // Watch errors are logged and the watch goes on (the stream backs off and relists): a
-    // transient API failure must never stop the operator.
-    let pod_events = pod_watch.for_each({
-        let tx = jobs_tx.clone();
-        move |event| {
-            let due = match &event {
-                Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
-                Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
-                    cleanup::finished(p).map(|t| (p, t))
-                }
-                Ok(_) => None,
-                Err(e) => {
-                    tracing::warn!(error = %e, "pod watch failed; retrying");
-                    None
-                }
-            };
-            if let Some((p, trigger)) = due {
-                let _ = tx.send(Job {
-                    pod: cleanup::identity(p),
-                    trigger,
-                    attempt: 0,
-                });
-            }
-            futures::future::ready(())
-        }
-    });
-    let pool_watch = watcher(
+    let pod_events = pod_events(client.clone(), pods_w, jobs_tx.clone());
+    let pool_watch = logged_watch(
         Api::<IPPool>::namespaced(client.clone(), &opts.pool_namespace),
-        wc(),
-    )
-    .default_backoff()
-    .reflect(pools_w)
-    .for_each(|e| log_watch_error("pool", e));
-    let res_watch = watcher(
+        pools_w,
+        "pool",
+    );
+    let res_watch = logged_watch(
         Api::<OverlappingRangeIPReservation>::namespaced(client.clone(), &opts.pool_namespace),
-        wc(),
-    )
-    .default_backoff()
-    .reflect(res_w)
-    .for_each(|e| log_watch_error("reservation", e));
+        res_w,
+        "reservation",
+    );
 
     let (leader, election) = elect(&client, &opts, &metrics).await?;
     health.election_running.store(true, Ordering::Relaxed);
@@ -222,29 +188,7 @@ pub async fn run(
     };
     let ctx = Arc::new(Context::new(client, opts, caches, leader, metrics));
 
-    let synced = {
-        let (ctx, health) = (ctx.clone(), health.clone());
-        async move {
-            let c = &ctx.caches;
-            // NADs are not waited for: cleanup and audit do not need them, and a cluster without
-            // the NAD CRD still gets its pods cleaned.
-            let _ = tokio::join!(
-                c.pods.wait_until_ready(),
-                c.pools.wait_until_ready(),
-                c.reservations.wait_until_ready()
-            );
-            health.caches_synced.store(true, Ordering::Relaxed);
-            tracing::info!("caches synced");
-        }
-    };
-    let loops = async {
-        synced.await;
-        tokio::join!(
-            cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
-            audit_loop(ctx.clone()),
-            nad_loop(ctx.clone(), nad_changed.clone())
-        );
-    };
+    let loops = run_loops(ctx.clone(), health, (jobs_tx, jobs_rx), nad_changed);
     tokio::select! {
         () = pod_events => tracing::error!("pod watch ended"),
         () = pool_watch => tracing::error!("pool watch ended"),
@@ -257,6 +201,99 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
     Ok(())
+}
+
+/// Watches every pod (trimmed to what cleanup needs) into the cache behind `writer`, and queues
+/// on `tx` the release of each pod that is deleted or has finished. Watch errors are logged and
+/// the watch goes on (the stream backs off and relists): a transient API failure must never stop
+/// the operator.
+fn pod_events(
+    client: Client,
+    writer: reflector::store::Writer<Pod>,
+    tx: mpsc::UnboundedSender<Job>,
+) -> impl std::future::Future<Output = ()> {
+    let pod_watch = watcher(Api::<Pod>::all(client), watcher::Config::default())
+        .default_backoff()
+        .modify(cleanup::trim)
+        .reflect(writer);
+    pod_watch.for_each(move |event| {
+        if let Some(job) = due_job(&event) {
+            let _ = tx.send(job);
+        }
+        futures::future::ready(())
+    })
+}
+
+/// The release a pod event makes due: a deleted pod's, or a finished one's.
+fn due_job(event: &Result<watcher::Event<Pod>, watcher::Error>) -> Option<Job> {
+    let due = match event {
+        Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
+        Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
+            cleanup::finished(p).map(|t| (p, t))
+        }
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "pod watch failed; retrying");
+            None
+        }
+    };
+    due.map(|(p, trigger)| Job {
+        pod: cleanup::identity(p),
+        trigger,
+        attempt: 0,
+    })
+}
+
+/// Watches `api` into the cache behind `writer`; errors are logged as `kind`'s and the watch
+/// goes on.
+fn logged_watch<K>(
+    api: Api<K>,
+    writer: reflector::store::Writer<K>,
+    kind: &'static str,
+) -> impl std::future::Future<Output = ()>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .for_each(move |e| log_watch_error(kind, e))
+}
+
+/// The controllers' loops (pod cleanup, pool audit, NAD/pool reconciliation), started once the
+/// caches they read are synced.
+async fn run_loops(
+    ctx: Arc<Context>,
+    health: Arc<Health>,
+    (jobs_tx, jobs_rx): (mpsc::UnboundedSender<Job>, mpsc::UnboundedReceiver<Job>),
+    nad_changed: Arc<Notify>,
+) {
+    caches_synced(ctx.clone(), health).await;
+    tokio::join!(
+        cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
+        audit_loop(ctx.clone()),
+        nad_loop(ctx, nad_changed)
+    );
+}
+
+/// Resolves once the caches cleanup and audit read have listed their objects, and says so on
+/// the admin port. NADs are not waited for: cleanup and audit do not need them, and a cluster
+/// without the NAD CRD still gets its pods cleaned.
+async fn caches_synced(ctx: Arc<Context>, health: Arc<Health>) {
+    let c = &ctx.caches;
+    let _ = tokio::join!(
+        c.pods.wait_until_ready(),
+        c.pools.wait_until_ready(),
+        c.reservations.wait_until_ready()
+    );
+    health.caches_synced.store(true, Ordering::Relaxed);
+    tracing::info!("caches synced");
 }
 
 fn log_watch_error<K>(

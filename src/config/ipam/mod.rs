@@ -133,12 +133,41 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
         prefix,
         errors: Vec::new(),
     };
+    let cfg = read_config(&mut r, source);
+    check_ranges(&mut r, &cfg);
+    let mut errors = r.errors;
+    if source == Source::Nad && obj.contains_key("agent_socket") {
+        out.warnings.push(Problem::at(
+            format!("{prefix}.agent_socket"),
+            "is node configuration, read from the flat file only: ignored in a network config",
+        ));
+    }
+    if !declares_range(obj) {
+        missing_range(prefix, source, &mut errors, &mut out.warnings);
+    }
+    out.warnings.extend(warnings(
+        obj,
+        prefix,
+        &cfg.ranges,
+        cfg.gateway,
+        cfg.log_level.as_deref(),
+    ));
+    if errors.is_empty() && !cfg.ranges.is_empty() {
+        out.config = Some(cfg);
+    }
+    out.errors = errors;
+    out
+}
+
+/// Reads every key of the object, in the order their problems are reported; the config is only
+/// usable when `r` has no errors after the checks across ranges.
+fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
     let network_name = r.string("network_name").map(str::to_owned);
-    let ranges = read_ranges(&mut r, network_name.as_deref());
+    let ranges = read_ranges(r, network_name.as_deref());
     let gateway = r.ip("gateway");
-    let routes = read_routes(&mut r);
+    let routes = read_routes(r);
     let dns = r.object("dns").cloned().map(Value::Object);
-    let addresses = read_addresses(&mut r);
+    let addresses = read_addresses(r);
     let enable_overlapping_ranges = r.bool("enable_overlapping_ranges").unwrap_or(true);
     let kubeconfig = r
         .object("kubernetes")
@@ -152,59 +181,53 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     // NAD its value is not judged, only pointed out below: refusing it would refuse a NAD every
     // ADD accepts (found by fuzz/cni_config's validator-agreement property).
     let agent_socket = match source {
-        Source::Runtime => read_agent_socket(&mut r),
+        Source::Runtime => read_agent_socket(r),
         Source::Nad => None,
     };
     r.string("configuration_path");
-    check_node_slice(&mut r, &ranges);
-    if let Some(name) = &network_name {
-        check_network_name(&mut r, name, &ranges);
-    }
-    check_overlaps(&mut r, &ranges);
-    let mut errors = r.errors;
-    if source == Source::Nad && obj.contains_key("agent_socket") {
-        out.warnings.push(Problem::at(
-            format!("{prefix}.agent_socket"),
-            "is node configuration, read from the flat file only: ignored in a network config",
-        ));
-    }
-    if !declares_range(obj) {
-        let p = Problem::at(
-            format!("{prefix}.range"),
-            "is missing: set ipam.range or ipam.ipRanges",
-        );
-        match source {
-            Source::Runtime => errors.push(p),
-            Source::Nad => out.warnings.push(Problem::at(
-                p.path,
-                "is missing: the node's flat file must supply ipam.range or ipam.ipRanges",
-            )),
-        }
-    }
-    out.warnings.extend(warnings(
-        obj,
-        prefix,
-        &ranges,
+    IpamConfig {
+        ranges,
         gateway,
-        log_level.as_deref(),
-    ));
-    if errors.is_empty() && !ranges.is_empty() {
-        out.config = Some(IpamConfig {
-            ranges,
-            gateway,
-            routes,
-            dns,
-            addresses,
-            enable_overlapping_ranges,
-            network_name,
-            kubeconfig,
-            log_file,
-            log_level,
-            agent_socket,
-        });
+        routes,
+        dns,
+        addresses,
+        enable_overlapping_ranges,
+        network_name,
+        kubeconfig,
+        log_file,
+        log_level,
+        agent_socket,
     }
-    out.errors = errors;
-    out
+}
+
+/// The checks across the ranges read: node slices, the names they give objects, overlaps.
+fn check_ranges(r: &mut Reader<'_>, cfg: &IpamConfig) {
+    check_node_slice(r, &cfg.ranges);
+    if let Some(name) = &cfg.network_name {
+        check_network_name(r, name, &cfg.ranges);
+    }
+    check_overlaps(r, &cfg.ranges);
+}
+
+/// A config without a range: an error at runtime, only a warning in a NAD, whose ranges the
+/// node's flat file may supply.
+fn missing_range(
+    prefix: &str,
+    source: Source,
+    errors: &mut Vec<Problem>,
+    warned: &mut Vec<Problem>,
+) {
+    let p = Problem::at(
+        format!("{prefix}.range"),
+        "is missing: set ipam.range or ipam.ipRanges",
+    );
+    match source {
+        Source::Runtime => errors.push(p),
+        Source::Nad => warned.push(Problem::at(
+            p.path,
+            "is missing: the node's flat file must supply ipam.range or ipam.ipRanges",
+        )),
+    }
 }
 
 /// `agent_socket`: absent means the default path, `""` turns the agent off, anything else must be

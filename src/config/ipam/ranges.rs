@@ -53,31 +53,7 @@ fn read_one_range(
     let mut end = r.ip("range_end");
     let excludes = read_excludes(r);
     let range_text = range_text?;
-    let cidr_text = match range_text.split_once('-') {
-        // The `START-CIDR` form: START is range_start, the CIDR's own address is range_end.
-        Some((s, cidr)) => {
-            let Some(s) = parse_ip(s) else {
-                r.errors.push(Problem::with_value(
-                    r.path("range"),
-                    range_text,
-                    "is not a CIDR or START-CIDR (the start is not an IP address)",
-                ));
-                return None;
-            };
-            if start.is_some() || end.is_some() {
-                r.errors.push(Problem::with_value(
-                    r.path("range"),
-                    range_text,
-                    "gives a start in START-CIDR form; do not also set range_start or range_end",
-                ));
-                return None;
-            }
-            start = Some(s);
-            end = cidr.parse::<IpNet>().ok().map(|n| n.addr());
-            cidr
-        }
-        None => range_text,
-    };
+    let cidr_text = split_start_cidr(r, range_text, &mut start, &mut end)?;
     let Ok(cidr) = cidr_text.trim().parse::<IpNet>() else {
         r.errors.push(Problem::with_value(
             r.path("range"),
@@ -88,19 +64,7 @@ fn read_one_range(
     };
     // The bounds are checked even when an exclude did not parse, so every problem is reported;
     // the range is only usable when all excludes parsed.
-    let result = AddrRange::new(cidr, start, end, &excludes.nets).map_err(|e| match e {
-        RangeError::FamilyMismatch {
-            bound: Bound::Exclude(i),
-            value,
-            cidr,
-        } => RangeError::FamilyMismatch {
-            bound: Bound::Exclude(excludes.positions[i]),
-            value,
-            cidr,
-        },
-        other => other,
-    });
-    match result {
+    match check_bounds(cidr, start, end, &excludes) {
         // An exclude that did not parse is reported above; the range is not usable without it.
         Ok(_) if !excludes.complete => None,
         Ok(range) => {
@@ -127,6 +91,61 @@ fn read_one_range(
             None
         }
     }
+}
+
+/// The CIDR part of `range_text`. In the `START-CIDR` form, START is range_start and the CIDR's
+/// own address is range_end, so `start` and `end` are set from it (and must not be set already).
+/// `None` when the form is wrong, the problem recorded.
+fn split_start_cidr<'t>(
+    r: &mut Reader<'_>,
+    range_text: &'t str,
+    start: &mut Option<IpAddr>,
+    end: &mut Option<IpAddr>,
+) -> Option<&'t str> {
+    let Some((s, cidr)) = range_text.split_once('-') else {
+        return Some(range_text);
+    };
+    let Some(s) = parse_ip(s) else {
+        r.errors.push(Problem::with_value(
+            r.path("range"),
+            range_text,
+            "is not a CIDR or START-CIDR (the start is not an IP address)",
+        ));
+        return None;
+    };
+    if start.is_some() || end.is_some() {
+        r.errors.push(Problem::with_value(
+            r.path("range"),
+            range_text,
+            "gives a start in START-CIDR form; do not also set range_start or range_end",
+        ));
+        return None;
+    }
+    *start = Some(s);
+    *end = cidr.parse::<IpNet>().ok().map(|n| n.addr());
+    Some(cidr)
+}
+
+/// The range of `cidr` with its bounds and the excludes that parsed; an exclude's error names
+/// its position in the list as written, not among those that parsed.
+fn check_bounds(
+    cidr: IpNet,
+    start: Option<IpAddr>,
+    end: Option<IpAddr>,
+    excludes: &Excludes,
+) -> Result<AddrRange, RangeError> {
+    AddrRange::new(cidr, start, end, &excludes.nets).map_err(|e| match e {
+        RangeError::FamilyMismatch {
+            bound: Bound::Exclude(i),
+            value,
+            cidr,
+        } => RangeError::FamilyMismatch {
+            bound: Bound::Exclude(excludes.positions[i]),
+            value,
+            cidr,
+        },
+        other => other,
+    })
 }
 
 /// The excludes that parse, with their positions in the list as written, and whether all did.
