@@ -16,7 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 base="$(git rev-parse --short "${1:?usage: bench/before_after.sh BASE_REV}")"
 head="$(git rev-parse --short HEAD)"
 quick="${QUICK:-0}"
-out="bench/results/before-after-$base-$head-$(date -u +%Y%m%dT%H%M%SZ)"
+out="$PWD/bench/results/before-after-$base-$head-$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$out" bench/bin
 export WHEREABOUTS_E2E_STATE=/tmp/wa-bench-state
 log() { echo "[before-after $(date -u +%H:%M:%S)] $*" >&2; }
@@ -77,7 +77,7 @@ storm() { # build-label plugin operator mode rep
   echo "== $1 $4 run $5" >>"$out/del_storm.txt"
   python3 bench/del_storm.py --kubeconfig "$dir/kc" --namespace "$ns" --n 200 \
     --range 10.42.0.0/24 --plugin "$2" "${agent_args[@]}" >>"$out/del_storm.txt" 2>&1
-  if [[ -n "$agent_pid" ]]; then kill "$agent_pid"; wait "$agent_pid" || true; fi
+  if [[ -n "$agent_pid" ]]; then kill "$agent_pid" 2>/dev/null || true; wait "$agent_pid" || true; fi
   kubectl delete namespace "$ns" --wait=false >/dev/null
 }
 runs=3; [[ "$quick" == 1 ]] && runs=1
