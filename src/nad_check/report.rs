@@ -105,27 +105,91 @@ pub struct ReadError {
 /// Reads every NAD of a YAML (multi-document) or JSON text and checks it; other kinds are skipped.
 /// `List` documents (as `kubectl get -o yaml` prints them) are opened.
 pub fn check_text(file: &str, text: &str) -> Result<Vec<CheckedNad>, ReadError> {
-    let starts = document_starts(text);
-    // Which document a line is in: the number of documents begun at or before it.
-    let document = |line: u64| starts.partition_point(|&s| s <= line).max(1);
     let mut out = Vec::new();
-    let mut input = text.as_bytes();
-    for doc in serde_saphyr::read_with_options::<_, Spanned<Value>>(&mut input, read_options()) {
-        let doc = doc.map_err(|source| ReadError {
-            file: file.to_owned(),
-            document: source
-                .location()
-                .map_or(starts.len().max(1), |l| document(l.line())),
-            source: Box::new(source),
-        })?;
-        collect(file, document(doc.referenced.line()), &doc.value, &mut out);
-    }
+    for_each_document(text, |document, doc| {
+        collect(file, document, &doc, &mut out)
+    })
+    .map_err(|(document, source)| ReadError {
+        file: file.to_owned(),
+        document,
+        source: Box::new(source),
+    })?;
     Ok(out)
 }
 
+/// Calls `f` with each document of `text` and its number (as a person counting `---` numbers
+/// it), one at a time; stops at a syntax error with the number of the document it is in.
+fn for_each_document(
+    text: &str,
+    mut f: impl FnMut(usize, Value),
+) -> Result<(), (usize, serde_saphyr::Error)> {
+    // serde-saphyr skips empty documents, so the stream's own order numbers them right only when
+    // none can be empty. Then the documents are read without their spans, which is cheaper;
+    // otherwise (and for an error's position) the text is parsed a second time for where each
+    // document starts.
+    if plain_documents(text) {
+        let mut input = text.as_bytes();
+        let stream = serde_saphyr::read_with_options::<_, Value>(&mut input, read_options());
+        for (k, doc) in stream.enumerate() {
+            match doc {
+                Ok(doc) => f(k + 1, doc),
+                Err(e) => return Err((error_document(text, &e), e)),
+            }
+        }
+        return Ok(());
+    }
+    let starts = document_starts(text);
+    let mut input = text.as_bytes();
+    let stream = serde_saphyr::read_with_options::<_, Spanned<Value>>(&mut input, read_options());
+    for doc in stream {
+        match doc {
+            Ok(doc) => f(number(&starts, doc.referenced.line()), doc.value),
+            Err(e) => return Err((error_document(text, &e), e)),
+        }
+    }
+    Ok(())
+}
+
+/// The number of the document that holds line `line`, given where each document starts.
+fn number(starts: &[u64], line: u64) -> usize {
+    starts.partition_point(|&s| s <= line).max(1)
+}
+
+/// The number of the document a syntax error is in.
+fn error_document(text: &str, e: &serde_saphyr::Error) -> usize {
+    let starts = document_starts(text);
+    e.location()
+        .map_or(starts.len().max(1), |l| number(&starts, l.line()))
+}
+
+/// Whether every document of `text` surely holds a node: no directive (`%`) or end marker
+/// (`...`) lines, and after every `---` something that is neither blank nor a comment. Then the
+/// n-th document read is document n. When unsure (a comment-like line inside a block scalar, say)
+/// it says no, which only costs the second parse.
+fn plain_documents(text: &str) -> bool {
+    let marker = |line: &str, m: &str| {
+        line.strip_prefix(m)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t']))
+    };
+    let content = |s: &str| {
+        let t = s.trim_start();
+        !t.is_empty() && !t.starts_with('#') && !matches!(t, "~" | "null" | "Null" | "NULL")
+    };
+    let mut waiting = false; // after a `---`, no content yet
+    for line in text.lines() {
+        if line.starts_with('%') || marker(line, "...") || (waiting && marker(line, "---")) {
+            return false;
+        }
+        if marker(line, "---") {
+            waiting = !content(&line[3..]);
+        } else if content(line) {
+            waiting = false;
+        }
+    }
+    !waiting
+}
+
 /// The line each document of `text` begins on, empty documents included, up to a syntax error.
-/// serde-saphyr skips empty documents when it reads a stream, but a document's number counts
-/// them, as a person counting `---` does (and as the offline command always has).
 fn document_starts(text: &str) -> Vec<u64> {
     let mut parser = serde_saphyr::granit_parser::Parser::new_from_str(text);
     let mut starts = Vec::new();
@@ -273,6 +337,47 @@ mod tests {
         let err = check_text("f.yaml", &text).unwrap_err();
         assert_eq!(err.document, 3, "{err}");
         assert!(err.to_string().starts_with("f.yaml: document 3: "), "{err}");
+    }
+
+    /// The numbers from the stream's order (the fast path) are those the document starts give,
+    /// for every text the fast path takes; the texts it must not take, it does not.
+    #[test]
+    fn numbering_by_order_agrees_with_the_document_starts() {
+        let texts = [
+            "a: 1\n---\nb: 2\n---\nc: 3\n",
+            "---\na: 1\n---\nb: 2\n",
+            "# head\n---\na: 1\n--- {b: 2}\n---\n# c\nc: 3\n",
+            "a: |\n  x\n  # y\n---\nb: 2\n",
+            "--- ~\n---\nb: 2\n",
+            "---\nnull\n---\nb: 2\n",
+            "---\n# only a comment\n---\nb: 2\n",
+            "a: 1\n...\n---\nb: 2\n",
+            "%YAML 1.2\n---\na: 1\n",
+            "a: 1\n---\n",
+            "[1, 2]\n---\n- x\n",
+        ];
+        for text in texts {
+            let by_starts: Vec<usize> = {
+                let starts = document_starts(text);
+                let mut input = text.as_bytes();
+                serde_saphyr::read_with_options::<_, Spanned<Value>>(&mut input, read_options())
+                    .map(|d| {
+                        let line = d.unwrap().referenced.line();
+                        starts.partition_point(|&s| s <= line).max(1)
+                    })
+                    .collect()
+            };
+            let mut got = Vec::new();
+            for_each_document(text, |n, _| got.push(n)).unwrap();
+            assert_eq!(got, by_starts, "{text:?}");
+            if plain_documents(text) {
+                let by_order: Vec<usize> = (1..=by_starts.len()).collect();
+                assert_eq!(by_starts, by_order, "fast path wrong for {text:?}");
+            }
+        }
+        assert!(plain_documents("a: 1\n---\nb: 2\n"));
+        assert!(!plain_documents("---\n# c\n---\nb: 2\n"));
+        assert!(!plain_documents("--- ~\n---\nb: 2\n"));
     }
 
     #[test]
