@@ -6,9 +6,11 @@ CARGO ?= cargo
 test: check unit e2e node chaos-smoke fuzz-smoke
 
 # Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
+# The e2e and node test crates are `test = false`, so --all-targets leaves them out: named here.
 check:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --test e2e --test node -- -D warnings
 
 unit:
 	$(CARGO) test

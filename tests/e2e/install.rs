@@ -332,7 +332,7 @@ fn install_cni_into_a_temporary_host_root() {
 
     // The node agent, with the same kubeconfig and rights, serving the same ADD and DEL.
     let kubeconfig_path = kubeconfig.to_str().unwrap();
-    let agent = crate::agent::Agent::start_with(&kubeconfig, &dir, kubeconfig_path);
+    let agent = crate::agent::Agent::start_with(&kubeconfig, dir, kubeconfig_path);
     std::fs::write(
         &test_flat,
         json!({"kubernetes": {"kubeconfig": kubeconfig}, "agent_socket": agent.socket}).to_string(),

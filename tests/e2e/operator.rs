@@ -186,11 +186,10 @@ fn pods_deleted_while_the_operator_was_down_are_released_after_it_starts() {
         "{:?}",
         op.get("/metrics")
     );
-    assert!(eventually(5, || op
+    assert!(eventually(5, || !op
         .get("/metrics")
         .unwrap()
         .contains("whereabouts_stale_reservations")
-        == false
         || !op.get("/metrics").unwrap().lines().any(|l| l
             .starts_with("whereabouts_stale_reservations{")
             && !l.ends_with(" 0"))));
