@@ -124,28 +124,24 @@ fn for_each_document(
     mut f: impl FnMut(usize, Value),
 ) -> Result<(), (usize, serde_saphyr::Error)> {
     // serde-saphyr skips empty documents, so the stream's own order numbers them right only when
-    // none can be empty. Then the documents are read without their spans, which is cheaper;
-    // otherwise (and for an error's position) the text is parsed a second time for where each
-    // document starts.
-    if plain_documents(text) {
-        let mut input = text.as_bytes();
-        let stream = serde_saphyr::read_with_options::<_, Value>(&mut input, read_options());
-        for (k, doc) in stream.enumerate() {
-            match doc {
-                Ok(doc) => f(k + 1, doc),
-                Err(e) => return Err((error_document(text, &e), e)),
-            }
-        }
-        return Ok(());
-    }
-    let starts = document_starts(text);
+    // none can be empty; otherwise (and for an error's position) the text is parsed a second time
+    // for where each document starts.
+    let starts = (!plain_documents(text)).then(|| document_starts(text));
     let mut input = text.as_bytes();
     let stream = serde_saphyr::read_with_options::<_, Spanned<Value>>(&mut input, read_options());
-    for doc in stream {
-        match doc {
-            Ok(doc) => f(number(&starts, doc.referenced.line()), doc.value),
-            Err(e) => return Err((error_document(text, &e), e)),
-        }
+    for (k, doc) in stream.enumerate() {
+        let doc = doc.map_err(|e| {
+            let starts = starts.clone().unwrap_or_else(|| document_starts(text));
+            let n = e
+                .location()
+                .map_or(starts.len().max(1), |l| number(&starts, l.line()));
+            (n, e)
+        })?;
+        let n = match &starts {
+            Some(starts) => number(starts, doc.referenced.line()),
+            None => k + 1,
+        };
+        f(n, doc.value);
     }
     Ok(())
 }
@@ -153,13 +149,6 @@ fn for_each_document(
 /// The number of the document that holds line `line`, given where each document starts.
 fn number(starts: &[u64], line: u64) -> usize {
     starts.partition_point(|&s| s <= line).max(1)
-}
-
-/// The number of the document a syntax error is in.
-fn error_document(text: &str, e: &serde_saphyr::Error) -> usize {
-    let starts = document_starts(text);
-    e.location()
-        .map_or(starts.len().max(1), |l| number(&starts, l.line()))
 }
 
 /// Whether every document of `text` surely holds a node: no directive (`%`) or end marker
