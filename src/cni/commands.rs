@@ -11,7 +11,8 @@ use serde_json::Value;
 use super::Request;
 use super::protocol::{CniError, Code, Command};
 use super::reply::{IpResult, Reply, render_result, version_reply};
-use crate::alloc::{AllocError, Allocate, Direct, Engine};
+use super::slices::{SLICE_WAIT, Sliced};
+use crate::alloc::{AllocError, Allocate, Direct, Engine, Target};
 use crate::store::Datastore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
@@ -87,19 +88,21 @@ async fn add<S: Datastore, A: Allocate<S>>(
     req: &Request,
 ) -> Result<Reply, CniError> {
     let mut ips = Vec::with_capacity(req.targets.len());
-    for (i, target) in req.targets.iter().enumerate() {
-        match alloc.allocate(store, target, &req.attachment).await {
-            Ok(a) => {
-                tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+    let mut used = Vec::with_capacity(req.targets.len());
+    for (i, range) in req.ipam.ranges.iter().enumerate() {
+        match allocate_range(store, alloc, req, i).await {
+            Ok((target, ip)) => {
                 ips.push(IpResult {
-                    address: ipnet::IpNet::new(a.ip, target.range.cidr().prefix_len())
+                    // The whole range's prefix, also for a slice (as upstream).
+                    address: ipnet::IpNet::new(ip, range.range.cidr().prefix_len())
                         .expect("prefix of the range"),
-                    gateway: gateway_for(req, a.ip),
+                    gateway: gateway_for(req, ip),
                 });
+                used.push(target);
             }
             Err(e) => {
-                rollback(store, alloc, req, i).await;
-                return Err(alloc_error(e));
+                rollback(store, alloc, req, &used).await;
+                return Err(e);
             }
         }
     }
@@ -113,9 +116,77 @@ async fn add<S: Datastore, A: Allocate<S>>(
     )
 }
 
-/// Releases what ranges `0..upto` took, so a failed ADD leaves nothing behind.
-async fn rollback<S: Datastore, A: Allocate<S>>(store: &S, alloc: &A, req: &Request, upto: usize) {
-    for target in &req.targets[..upto] {
+/// One address of range `i`: from its pool, or from this node's slices in order, taking one more
+/// free slice when they are all full.
+async fn allocate_range<S: Datastore, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+    i: usize,
+) -> Result<(Target, IpAddr), CniError> {
+    let Some(sliced) = Sliced::of(req, i) else {
+        let target = &req.targets[i];
+        let ip = allocate_in(alloc, store, target, req, false).await?;
+        return Ok((target.clone(), ip.expect("only a slice is skipped")));
+    };
+    let mut targets = sliced.wait_for_targets(store, SLICE_WAIT).await?;
+    let mut tried = Vec::new();
+    // Ends: every turn of the loop tries a slice not tried before, and there are finitely many.
+    loop {
+        for target in targets.drain(..) {
+            if let Some(ip) = allocate_in(alloc, store, &target, req, true).await? {
+                return Ok((target, ip));
+            }
+            tried.push(target.pool);
+        }
+        match sliced.next_slice(store, &tried).await? {
+            Some(target) => targets.push(target),
+            None => return Err(sliced.all_full(tried.len())),
+        }
+    }
+}
+
+/// Allocates from one target: `None` when it is a full `slice` (the next one is tried), an error
+/// otherwise.
+async fn allocate_in<S: Datastore, A: Allocate<S>>(
+    alloc: &A,
+    store: &S,
+    target: &Target,
+    req: &Request,
+    slice: bool,
+) -> Result<Option<IpAddr>, CniError> {
+    match alloc.allocate(store, target, &req.attachment).await {
+        Ok(a) => {
+            tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+            Ok(Some(a.ip))
+        }
+        Err(AllocError::Exhausted { .. } | AllocError::PoolFull { .. }) if slice => Ok(None),
+        Err(e) => Err(alloc_error(e)),
+    }
+}
+
+/// The targets range `i` may hold this attachment's address in: its pool, or every slice this
+/// node holds (read now, never waited for: DEL, CHECK and GC of a node without slices have
+/// nothing there).
+async fn held_targets<S: Datastore>(
+    store: &S,
+    req: &Request,
+    i: usize,
+) -> Result<Vec<Target>, CniError> {
+    match Sliced::of(req, i) {
+        Some(sliced) => sliced.targets(store).await,
+        None => Ok(vec![req.targets[i].clone()]),
+    }
+}
+
+/// Releases what a failed ADD took, so it leaves nothing behind.
+async fn rollback<S: Datastore, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+    used: &[Target],
+) {
+    for target in used {
         if let Err(e) = alloc.release(store, target, &req.attachment).await {
             tracing::error!(pool = %target.pool, error = %e, "could not roll back a partial ADD; the audit will release it");
         }
@@ -172,10 +243,19 @@ async fn del<S: Datastore, A: Allocate<S>>(
     req: &Request,
 ) -> Result<(), CniError> {
     let mut failures = Vec::new();
-    for target in &req.targets {
-        match alloc.release(store, target, &req.attachment).await {
-            Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
-            Err(e) => failures.push(format!("{}: {e}", target.pool)),
+    for i in 0..req.targets.len() {
+        let targets = match held_targets(store, req, i).await {
+            Ok(targets) => targets,
+            Err(e) => {
+                failures.push(e.msg);
+                continue;
+            }
+        };
+        for target in &targets {
+            match alloc.release(store, target, &req.attachment).await {
+                Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
+                Err(e) => failures.push(format!("{}: {e}", target.pool)),
+            }
         }
     }
     if failures.is_empty() {
@@ -201,19 +281,20 @@ async fn check<S: Datastore>(store: &S, req: &Request) -> Result<(), CniError> {
         .map(|n| n.addr())
         .collect();
     let mismatch = |msg: String| CniError::new(Code::CheckMismatch, msg);
-    for range in &req.ipam.ranges {
-        let pool = store
-            .get_pool(&range.pool_name)
-            .await
-            .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
-        let held = pool
-            .as_ref()
-            .and_then(|p| {
-                p.allocations.iter().find(|(_, e)| {
+    for (i, range) in req.ipam.ranges.iter().enumerate() {
+        let mut held = None;
+        for target in held_targets(store, req, i).await? {
+            let pool = store
+                .get_pool(&target.pool)
+                .await
+                .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
+            held = held.or_else(|| {
+                let (offset, _) = pool.as_ref()?.allocations.iter().find(|(_, e)| {
                     e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
-                })
-            })
-            .and_then(|(o, _)| range.range.addr_at(*o));
+                })?;
+                target.range.addr_at(*offset)
+            });
+        }
         match held {
             None => {
                 return Err(mismatch(format!(
@@ -242,7 +323,11 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
         |e: crate::store::StoreError| CniError::new(Code::TryAgainLater, format!("datastore: {e}"));
     let mut pods = None;
     let mut released = 0;
-    for target in &req.targets {
+    let mut targets = Vec::new();
+    for i in 0..req.targets.len() {
+        targets.extend(held_targets(store, req, i).await?);
+    }
+    for target in &targets {
         let Some(pool) = store.get_pool(&target.pool).await.map_err(retry)? else {
             continue;
         };

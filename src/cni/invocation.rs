@@ -8,6 +8,7 @@
 use serde_json::{Map, Value};
 
 use super::protocol::{CniArgs, CniError, Code, Command, check_version};
+use super::slices;
 use crate::alloc::{Attachment, Target};
 use crate::config::netconf::one_address_per_family;
 use crate::config::{
@@ -23,8 +24,11 @@ pub struct Request {
     pub args: CniArgs,
     pub conf: NetConf,
     pub ipam: IpamConfig,
-    /// What each range's address is allocated from, in the order of `ipam.ranges`.
+    /// What each range's address is allocated from, in the order of `ipam.ranges` (a sliced
+    /// range's target is its whole range; the node's slices are read by [`super::slices`]).
     pub targets: Vec<Target>,
+    /// The node's name, when a range is sliced (`node_slice_size`).
+    pub node: Option<String>,
 }
 
 /// The engine's target of one configured range.
@@ -69,6 +73,8 @@ pub struct Invocation {
     ipam: Option<(String, Value)>,
     /// The network config named an `agent_socket`, which only the node's flat file may.
     ignored_agent_socket: bool,
+    /// `NODENAME`, the node's name where node slices need it.
+    nodename_env: Option<String>,
 }
 
 impl Invocation {
@@ -95,6 +101,7 @@ impl Invocation {
             flat_file,
             ipam,
             ignored_agent_socket,
+            nodename_env: env("NODENAME"),
         }
     }
 
@@ -154,6 +161,7 @@ impl Invocation {
         };
         require_env(command, &attachment)?;
         let targets = ipam.ranges.iter().map(|r| target(r, &ipam)).collect();
+        let node = self.node_name(merged, &ipam)?;
         Ok(Request {
             command,
             attachment,
@@ -161,7 +169,23 @@ impl Invocation {
             conf,
             ipam,
             targets,
+            node,
         })
+    }
+
+    /// The node's name, read only when a range is sliced (see [`slices::node_name`]).
+    fn node_name(&self, merged: &Value, ipam: &IpamConfig) -> Result<Option<String>, CniError> {
+        if ipam.ranges.iter().all(|r| r.node_slice.is_none()) {
+            return Ok(None);
+        }
+        let flat_file = self.flat_file.as_ref().ok().and_then(Option::as_ref);
+        let from = slices::NodeNameSources {
+            env: self.nodename_env.as_deref(),
+            configuration_path: merged.get("configuration_path").and_then(Value::as_str),
+            flat_file: flat_file.map(|(path, _)| path.as_path()),
+            hostname_file: std::path::Path::new("/etc/hostname"),
+        };
+        slices::node_name(&from).map(Some)
     }
 }
 

@@ -8,6 +8,7 @@
 //! | [`invocation`] | environment, stdin and flat file read once; validation into a `Request` |
 //! | [`commands`] | ADD, DEL, CHECK, GC, STATUS over the allocation engine, within deadlines |
 //! | [`reply`] | the typed results, in the shape of the config's `cniVersion` |
+//! | [`slices`] | node slices on the node: its slices of a range, taking a free one, its name |
 //! | [`handoff`] | what the plugin and the node agent say over the agent's socket |
 //! | [`plugin`] | the process: logging, hand-off or local run, stdout |
 
@@ -17,6 +18,7 @@ pub mod invocation;
 pub mod plugin;
 pub mod protocol;
 pub mod reply;
+pub mod slices;
 
 pub use commands::{
     ADD_DEADLINE, OTHER_DEADLINE, ROLLBACK_BUDGET, handle, handle_with, handle_within,

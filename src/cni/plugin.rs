@@ -56,7 +56,11 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
         // As `env` above: a variable that is not UTF-8 counts as unset (`vars()` would panic).
         let vars = std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
-        let request = AgentRequest::new(vars, stdin, flat_file);
+        let mut request = AgentRequest::new(vars, stdin, flat_file);
+        // The node's name as found here (the agent's own files may differ): slices are per node.
+        if let Some(node) = &req.node {
+            request.env.insert("NODENAME".into(), node.clone());
+        }
         let wait = ADD_DEADLINE + ROLLBACK_BUDGET + Duration::from_secs(5);
         match client::call(Path::new(socket), &request, wait)? {
             Some(AgentReply::Done { output }) => return Ok(output),

@@ -6,7 +6,7 @@ pub mod netconf;
 pub mod problem;
 
 pub use ipam::{
-    DEFAULT_AGENT_SOCKET, IpamConfig, RangeConfig, Source, StaticAddress, Validated,
+    DEFAULT_AGENT_SOCKET, IpamConfig, NodeSlice, RangeConfig, Source, StaticAddress, Validated,
     result_shape_problem, validate_ipam,
 };
 pub use netconf::NetConf;

@@ -7,6 +7,7 @@
 pub mod addr;
 pub mod naming;
 pub mod range;
+pub mod slices;
 
 pub use addr::Family;
 pub use range::{AddrRange, Bound, RangeError};

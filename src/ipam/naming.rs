@@ -24,6 +24,24 @@ pub fn reservation_name(network_name: Option<&str>, ip: IpAddr) -> String {
     prefixed(network_name, normalised)
 }
 
+/// The IPPool of a node's slice, as upstream names it: `[<network_name>-]<node>-<slice>`.
+pub fn slice_pool_name(network_name: Option<&str>, node: &str, slice: IpNet) -> String {
+    let normalised = slice.trunc().to_string().replace([':', '/'], "-");
+    prefixed(network_name, format!("{node}-{normalised}"))
+}
+
+/// The NodeSlicePool of a network's range. Upstream slices only the first range and names its
+/// NodeSlicePool after the network (`network_name`, else the config's `name`); every further range
+/// sliced here (ours: dual-stack) gets `<that>-<normalised range>`, which stays the same when
+/// ranges are added or reordered behind it.
+pub fn node_slice_pool_name(network: &str, index: usize, range: IpNet) -> String {
+    if index == 0 {
+        network.to_owned()
+    } else {
+        pool_name(Some(network), range)
+    }
+}
+
 fn prefixed(network_name: Option<&str>, name: String) -> String {
     match network_name {
         Some(n) if !n.is_empty() => format!("{n}-{name}"),

@@ -26,7 +26,7 @@ use std::future::Future;
 
 use thiserror::Error;
 
-use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::crd::{IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec};
 
 /// A pool as read, with its allocations keyed by numeric offset.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -350,4 +350,15 @@ pub trait Datastore: Send + Sync {
     ) -> impl Future<Output = Result<Write>> + Send;
     /// UIDs of all pods by `<namespace>/<name>` (one LIST of metadata; used by GC only).
     fn pod_uids(&self) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
+    /// A NodeSlicePool (the node slices of a range), its resourceVersion in its metadata.
+    fn get_node_slice_pool(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<NodeSlicePool>>> + Send;
+    /// Replaces a NodeSlicePool if it is still at the resourceVersion in its metadata (a node
+    /// taking a free slice); `Conflict` otherwise, `Missing` when it is gone.
+    fn replace_node_slice_pool(
+        &self,
+        pool: &NodeSlicePool,
+    ) -> impl Future<Output = Result<Write>> + Send;
 }

@@ -44,6 +44,16 @@ pub struct RangeConfig {
     pub path: String,
     pub range: AddrRange,
     pub pool_name: String,
+    /// Node slices of this range (`node_slice_size`), if the range is sliced.
+    pub node_slice: Option<NodeSlice>,
+}
+
+/// A range's node slice size: the prefix length, and the text as configured (a NodeSlicePool
+/// stores it verbatim in `spec.sliceSize`, as upstream does).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeSlice {
+    pub prefix: u8,
+    pub text: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,7 +173,8 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
 /// usable when `r` has no errors after the checks across ranges.
 fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
     let network_name = r.string("network_name").map(str::to_owned);
-    let ranges = read_ranges(r, network_name.as_deref());
+    let mut ranges = read_ranges(r, network_name.as_deref());
+    check_node_slice(r, &mut ranges);
     let gateway = r.ip("gateway");
     let routes = read_routes(r);
     let dns = r.object("dns").cloned().map(Value::Object);
@@ -200,9 +211,8 @@ fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
     }
 }
 
-/// The checks across the ranges read: node slices, the names they give objects, overlaps.
+/// The checks across the ranges read: the names they give objects, overlaps.
 fn check_ranges(r: &mut Reader<'_>, cfg: &IpamConfig) {
-    check_node_slice(r, &cfg.ranges);
     if let Some(name) = &cfg.network_name {
         check_network_name(r, name, &cfg.ranges);
     }

@@ -5,10 +5,11 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::RangeConfig;
+use super::{NodeSlice, RangeConfig};
 use super::reader::{Reader, parse_cidr_or_ip, parse_ip};
 use crate::config::problem::Problem;
 use crate::ipam::naming::{object_name_problem, pool_name, reservation_name};
+use crate::ipam::slices::{parse_slice_size, slice_size_problem};
 use crate::ipam::{AddrRange, Bound, RangeError};
 
 pub(super) fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfig> {
@@ -52,6 +53,10 @@ fn read_one_range(
     let mut start = r.ip("range_start");
     let mut end = r.ip("range_end");
     let excludes = read_excludes(r);
+    // The top-level range's slice size is the top-level key, read by `check_node_slice`.
+    let own_slice = (!top_level)
+        .then(|| r.string("node_slice_size").map(str::to_owned))
+        .flatten();
     let range_text = range_text?;
     let cidr_text = split_start_cidr(r, range_text, &mut start, &mut end)?;
     let Ok(cidr) = cidr_text.trim().parse::<IpNet>() else {
@@ -73,10 +78,15 @@ fn read_one_range(
             } else {
                 prefix.to_owned()
             };
+            let node_slice = match own_slice {
+                Some(text) => Some(node_slice(r, r.path("node_slice_size"), &text, &range)?),
+                None => None,
+            };
             Some(RangeConfig {
                 path,
                 pool_name: pool_name(network_name, range.cidr()),
                 range,
+                node_slice,
             })
         }
         Err(e) => {
@@ -228,27 +238,45 @@ fn range_problem(
         ),
     }
 }
-/// Node slices are not implemented yet; the size is still checked so the message is precise.
-pub(super) fn check_node_slice(r: &mut Reader<'_>, ranges: &[RangeConfig]) {
-    let Some(text) = r.string("node_slice_size") else {
+/// The top-level `node_slice_size` slices every range that has no size of its own (upstream
+/// slices only the first range, which keeps its meaning); an `ipRanges` entry may carry its own,
+/// as a single prefix length cannot fit a /24 and a /64 at once.
+pub(super) fn check_node_slice(r: &mut Reader<'_>, ranges: &mut [RangeConfig]) {
+    let Some(text) = r.string("node_slice_size").map(str::to_owned) else {
         return;
     };
     let path = r.path("node_slice_size");
-    let prefix_len = text.trim().trim_start_matches('/').parse::<u8>().ok();
-    let problem = match (prefix_len, ranges.first()) {
-        (None, _) => "is not a prefix length (for example /28)".to_owned(),
-        (Some(p), Some(first))
-            if p < first.range.cidr().prefix_len() || p > first.range.cidr().max_prefix_len() =>
-        {
-            format!(
-                "does not fit range {}: a slice must be smaller than the range",
-                first.range.cidr()
-            )
-        }
-        _ => "is not supported yet: remove node_slice_size to allocate from the whole range"
-            .to_owned(),
+    if parse_slice_size(&text).is_none() {
+        r.errors.push(Problem::with_value(
+            path,
+            text,
+            "is not a prefix length (for example /28, or 28)",
+        ));
+        return;
+    }
+    for range in ranges.iter_mut().filter(|g| g.node_slice.is_none()) {
+        range.node_slice = node_slice(r, path.clone(), &text, &range.range);
+    }
+}
+
+/// The slice size `text` (at `path`) for `range`, or `None` with the problem recorded.
+fn node_slice(r: &mut Reader<'_>, path: String, text: &str, range: &AddrRange) -> Option<NodeSlice> {
+    let Some(prefix) = parse_slice_size(text) else {
+        r.errors.push(Problem::with_value(
+            path,
+            text,
+            "is not a prefix length (for example /28, or 28)",
+        ));
+        return None;
     };
-    r.errors.push(Problem::with_value(path, text, problem));
+    if let Some(why) = slice_size_problem(range.cidr(), prefix) {
+        r.errors.push(Problem::with_value(path, text, why));
+        return None;
+    }
+    Some(NodeSlice {
+        prefix,
+        text: text.to_owned(),
+    })
 }
 
 /// The network name prefixes every pool and reservation name, so both must stay valid names.

@@ -44,7 +44,13 @@ const KNOWN_KEYS: &[&str] = &[
     "etcd_cert_file",
     "etcd_ca_cert_file",
 ];
-const RANGE_KEYS: &[&str] = &["range", "range_start", "range_end", "exclude"];
+const RANGE_KEYS: &[&str] = &[
+    "range",
+    "range_start",
+    "range_end",
+    "exclude",
+    "node_slice_size",
+];
 const LOG_LEVELS: &[&str] = &["debug", "verbose", "error", "panic"];
 
 pub(super) fn warnings(

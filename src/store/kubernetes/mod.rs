@@ -27,7 +27,7 @@ use super::{
     claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
-    IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
+    IPAllocation, IPPool, IPPoolSpec, NodeSlicePool, OverlappingRangeIPReservation,
     OverlappingRangeIPReservationSpec,
 };
 use errors::{api_code, error, is_unserved, retrying};
@@ -41,6 +41,7 @@ pub struct KubeStore {
     reservations: Api<OverlappingRangeIPReservation>,
     leases: Api<Lease>,
     pods: Api<Pod>,
+    slices: Api<NodeSlicePool>,
 }
 
 /// The Lease that is `pool`'s writer turn: `whereabouts-<pool>`, in the pool namespace. None when
@@ -56,6 +57,7 @@ impl KubeStore {
             pools: Api::namespaced(client.clone(), namespace),
             reservations: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
+            slices: Api::namespaced(client.clone(), namespace),
             pods: Api::all(client),
         }
     }
@@ -366,5 +368,24 @@ impl Datastore for KubeStore {
                 )
             })
             .collect())
+    }
+
+    async fn get_node_slice_pool(&self, name: &str) -> Result<Option<NodeSlicePool>> {
+        retrying(|| self.slices.get_opt(name))
+            .await
+            .map_err(|e| error("get", format!("nodeslicepool {name}"), e))
+    }
+
+    async fn replace_node_slice_pool(&self, pool: &NodeSlicePool) -> Result<Write> {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        // The object carries the resourceVersion it was read at: a PUT is refused with 409 when
+        // anyone wrote it since.
+        let params = PostParams::default();
+        match retrying(|| self.slices.replace(&name, &params, pool)).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
+            Err(e) if api_code(&e) == Some(404) && !is_unserved(&e) => Ok(Write::Missing),
+            Err(e) => Err(error("update", format!("nodeslicepool {name}"), e)),
+        }
     }
 }

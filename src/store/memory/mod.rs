@@ -59,6 +59,8 @@ struct State {
     turns: BTreeMap<String, String>,
     /// Reservations whose release was announced, with the bucket of the announcement.
     releasing: BTreeMap<String, i64>,
+    /// NodeSlicePools by name, their resourceVersion in their metadata.
+    slices: BTreeMap<String, crate::crd::NodeSlicePool>,
 }
 
 impl State {
@@ -75,6 +77,19 @@ impl State {
 impl MemoryStore {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Stores a NodeSlicePool as an operator (or a person) would: a new resourceVersion each time.
+    pub fn put_node_slice_pool(&self, mut pool: crate::crd::NodeSlicePool) {
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        pool.metadata.resource_version =
+            Some(format!("s{}", self.next.fetch_add(1, Ordering::Relaxed)));
+        self.state.lock().unwrap().slices.insert(name, pool);
+    }
+
+    /// The NodeSlicePool named `name`, as stored.
+    pub fn node_slice_pool(&self, name: &str) -> Option<crate::crd::NodeSlicePool> {
+        self.state.lock().unwrap().slices.get(name).cloned()
     }
 
     pub fn set_pod(&self, podref: &str, uid: &str) {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 use super::{MemoryStore, State};
-use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::crd::{IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec};
 use crate::store::{
     Datastore, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Turn, TurnAttempt,
     Write,
@@ -342,5 +342,28 @@ impl Datastore for MemoryStore {
     async fn pod_uids(&self) -> Result<HashMap<String, String>> {
         self.check("list", "pods")?;
         Ok(self.state.lock().unwrap().pods.clone())
+    }
+
+    async fn get_node_slice_pool(&self, name: &str) -> Result<Option<NodeSlicePool>> {
+        self.pause().await;
+        self.check("get", name)?;
+        Ok(self.state.lock().unwrap().slices.get(name).cloned())
+    }
+
+    async fn replace_node_slice_pool(&self, pool: &NodeSlicePool) -> Result<Write> {
+        self.pause().await;
+        let name = pool.metadata.name.clone().unwrap_or_default();
+        self.check("update", &name)?;
+        let mut s = self.state.lock().unwrap();
+        let Some(stored) = s.slices.get_mut(&name) else {
+            return Ok(Write::Missing);
+        };
+        if stored.metadata.resource_version != pool.metadata.resource_version {
+            return Ok(Write::Conflict);
+        }
+        *stored = pool.clone();
+        stored.metadata.resource_version =
+            Some(self.next.fetch_add(1, Ordering::Relaxed).to_string());
+        Ok(Write::Done)
     }
 }
