@@ -7,7 +7,9 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{CniError, Code, Command};
 use whereabouts::cni::{FlatSource, Invocation, Request};
-use whereabouts::crd::{NodeSliceAllocation, NodeSlicePool, NodeSlicePoolSpec, NodeSlicePoolStatus};
+use whereabouts::crd::{
+    NodeSliceAllocation, NodeSlicePool, NodeSlicePoolSpec, NodeSlicePoolStatus,
+};
 use whereabouts::store::Datastore;
 use whereabouts::store::memory::MemoryStore;
 
@@ -31,9 +33,17 @@ fn request(
     Invocation::read(&env, &conf.to_string(), FlatSource::Paths(vec![])).load(command)
 }
 
-async fn add(store: &MemoryStore, ipam: &Value, node: &str, c: &str) -> Result<Vec<String>, CniError> {
+async fn add(
+    store: &MemoryStore,
+    ipam: &Value,
+    node: &str,
+    c: &str,
+) -> Result<Vec<String>, CniError> {
     let req = request(Command::Add, ipam, node, c)?;
-    let reply = whereabouts::cni::handle(store, &req).await?.unwrap().to_value();
+    let reply = whereabouts::cni::handle(store, &req)
+        .await?
+        .unwrap()
+        .to_value();
     Ok(reply["ips"]
         .as_array()
         .unwrap()
@@ -90,22 +100,55 @@ fn four_slices(a: &str, b: &str) -> NodeSlicePool {
 async fn each_node_allocates_from_its_slice_with_the_whole_prefix() {
     let store = MemoryStore::new();
     store.put_node_slice_pool(four_slices("node-a", "node-b"));
-    assert_eq!(add(&store, &v4(), "node-a", "c1").await.unwrap(), ["10.0.0.1/24"]);
-    assert_eq!(add(&store, &v4(), "node-b", "c2").await.unwrap(), ["10.0.0.65/24"]);
-    assert_eq!(add(&store, &v4(), "node-a", "c3").await.unwrap(), ["10.0.0.2/24"]);
+    assert_eq!(
+        add(&store, &v4(), "node-a", "c1").await.unwrap(),
+        ["10.0.0.1/24"]
+    );
+    assert_eq!(
+        add(&store, &v4(), "node-b", "c2").await.unwrap(),
+        ["10.0.0.65/24"]
+    );
+    assert_eq!(
+        add(&store, &v4(), "node-a", "c3").await.unwrap(),
+        ["10.0.0.2/24"]
+    );
     // Upstream's pool names and offsets: counted from the slice's network address.
-    let a = store.get_pool("blue-node-a-10.0.0.0-26").await.unwrap().unwrap();
+    let a = store
+        .get_pool("blue-node-a-10.0.0.0-26")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(a.range, "10.0.0.0/26");
     assert_eq!(a.allocations.keys().copied().collect::<Vec<_>>(), [1, 2]);
-    let b = store.get_pool("blue-node-b-10.0.0.64-26").await.unwrap().unwrap();
+    let b = store
+        .get_pool("blue-node-b-10.0.0.64-26")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(b.allocations.keys().copied().collect::<Vec<_>>(), [1]);
     assert!(store.get_pool("blue-10.0.0.0-24").await.unwrap().is_none());
     // The reservations keep their upstream names (the network's, not the slice pool's).
-    assert!(store.get_reservation("blue-10.0.0.65").await.unwrap().is_some());
+    assert!(
+        store
+            .get_reservation("blue-10.0.0.65")
+            .await
+            .unwrap()
+            .is_some()
+    );
     del(&store, &v4(), "node-b", "c2").await.unwrap();
-    let b = store.get_pool("blue-node-b-10.0.0.64-26").await.unwrap().unwrap();
+    let b = store
+        .get_pool("blue-node-b-10.0.0.64-26")
+        .await
+        .unwrap()
+        .unwrap();
     assert!(b.allocations.is_empty());
-    assert!(store.get_reservation("blue-10.0.0.65").await.unwrap().is_none());
+    assert!(
+        store
+            .get_reservation("blue-10.0.0.65")
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[tokio::test]
@@ -165,29 +208,63 @@ async fn a_full_slice_takes_a_free_one_and_the_last_one_fails_clearly() {
     }
     assert_eq!(
         got,
-        ["10.2.0.1/28", "10.2.0.2/28", "10.2.0.9/28", "10.2.0.10/28", "10.2.0.13/28", "10.2.0.14/28"]
+        [
+            "10.2.0.1/28",
+            "10.2.0.2/28",
+            "10.2.0.9/28",
+            "10.2.0.10/28",
+            "10.2.0.13/28",
+            "10.2.0.14/28"
+        ]
     );
     let pool = store.node_slice_pool("net").unwrap();
-    let owners: Vec<&str> = pool.status.as_ref().unwrap().allocations.iter().map(|a| a.node_name.as_str()).collect();
+    let owners: Vec<&str> = pool
+        .status
+        .as_ref()
+        .unwrap()
+        .allocations
+        .iter()
+        .map(|a| a.node_name.as_str())
+        .collect();
     assert_eq!(owners, ["n1", "n2", "n1", "n1"]);
     let e = add(&store, &ipam, "n1", "c9").await.unwrap_err();
     assert_eq!(e.code, Code::Exhausted);
-    assert!(e.msg.contains("3 slice(s) of 30 are full") && e.msg.contains("nodeslicepool net"), "{}", e.msg);
+    assert!(
+        e.msg.contains("3 slice(s) of 30 are full") && e.msg.contains("nodeslicepool net"),
+        "{}",
+        e.msg
+    );
     // DEL finds the address in whichever slice holds it.
     del(&store, &ipam, "n1", "c4").await.unwrap();
     del(&store, &ipam, "n1", "c1").await.unwrap();
-    assert_eq!(add(&store, &ipam, "n1", "c10").await.unwrap(), ["10.2.0.2/28"]);
-    assert_eq!(add(&store, &ipam, "n1", "c11").await.unwrap(), ["10.2.0.13/28"]);
+    assert_eq!(
+        add(&store, &ipam, "n1", "c10").await.unwrap(),
+        ["10.2.0.2/28"]
+    );
+    assert_eq!(
+        add(&store, &ipam, "n1", "c11").await.unwrap(),
+        ["10.2.0.13/28"]
+    );
 }
 
 #[tokio::test]
 async fn nodes_racing_for_free_slices_never_share_one() {
     let store = Arc::new(MemoryStore::new().interleaved());
     let ipam = json!({"type": "whereabouts", "range": "10.3.0.0/24", "node_slice_size": "/28"});
-    let allocations: Vec<(String, &str)> = (0..16).map(|i| (format!("10.3.0.{}/28", i * 16), "")).collect();
+    let allocations: Vec<(String, &str)> = (0..16)
+        .map(|i| (format!("10.3.0.{}/28", i * 16), ""))
+        .collect();
     let slices: Vec<(&str, &str)> = allocations.iter().map(|(s, n)| (s.as_str(), *n)).collect();
     let mut pool = slice_pool("net", "10.3.0.0/24", "/28", &slices);
-    for (i, a) in pool.status.as_mut().unwrap().allocations.iter_mut().take(4).enumerate() {
+    for (i, a) in pool
+        .status
+        .as_mut()
+        .unwrap()
+        .allocations
+        .iter_mut()
+        .take(4)
+        .enumerate()
+    {
         a.node_name = format!("n{i}");
     }
     store.put_node_slice_pool(pool);
@@ -196,7 +273,9 @@ async fn nodes_racing_for_free_slices_never_share_one() {
         .map(|i| {
             let store = store.clone();
             let ipam = ipam.clone();
-            tokio::spawn(async move { add(&store, &ipam, &format!("n{}", i % 4), &format!("c{i}")).await })
+            tokio::spawn(async move {
+                add(&store, &ipam, &format!("n{}", i % 4), &format!("c{i}")).await
+            })
         })
         .collect();
     let mut seen = BTreeSet::new();
@@ -207,7 +286,14 @@ async fn nodes_racing_for_free_slices_never_share_one() {
     }
     let pool = store.node_slice_pool("net").unwrap();
     for node in ["n0", "n1", "n2", "n3"] {
-        let held = pool.status.as_ref().unwrap().allocations.iter().filter(|a| a.node_name == node).count();
+        let held = pool
+            .status
+            .as_ref()
+            .unwrap()
+            .allocations
+            .iter()
+            .filter(|a| a.node_name == node)
+            .count();
         assert_eq!(held, 3, "{node} holds three slices");
     }
 }
@@ -217,7 +303,12 @@ async fn a_node_without_a_slice_waits_then_says_so() {
     let store = MemoryStore::new();
     let e = add(&store, &v4(), "node-a", "c1").await.unwrap_err();
     assert_eq!(e.code, Code::TryAgainLater);
-    assert!(e.msg.contains("no allocated node slice for node node-a") && e.msg.contains("does not exist"), "{}", e.msg);
+    assert!(
+        e.msg.contains("no allocated node slice for node node-a")
+            && e.msg.contains("does not exist"),
+        "{}",
+        e.msg
+    );
     store.put_node_slice_pool(four_slices("node-x", "node-y"));
     let e = add(&store, &v4(), "node-a", "c1").await.unwrap_err();
     assert!(e.msg.contains("assigns it no slice yet"), "{}", e.msg);
@@ -241,5 +332,10 @@ fn the_node_name_must_be_usable_in_object_names() {
     assert!(e.msg.contains("\"Node_A\" (from NODENAME)"), "{}", e.msg);
     // Not read at all without slices.
     let plain = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    assert!(request(Command::Add, &plain, "Node_A", "c").unwrap().node.is_none());
+    assert!(
+        request(Command::Add, &plain, "Node_A", "c")
+            .unwrap()
+            .node
+            .is_none()
+    );
 }

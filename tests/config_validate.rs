@@ -190,10 +190,8 @@ fn network_name_and_node_slices() {
     assert!(e[0].contains("gives the object name"), "{e:?}");
     let w = windows(json!({"range": "10.0.0.0/24", "network_name": "blue"}));
     assert_eq!(w[0].3, "blue-10.0.0.0-24");
-    assert!(
-        errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/28"}))[0]
-            .contains("is not supported yet")
-    );
+    assert!(errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/28"})).is_empty());
+    assert!(errors(json!({"range": "10.0.0.0/24", "node_slice_size": "28"})).is_empty());
     assert!(
         errors(json!({"range": "10.0.0.0/24", "node_slice_size": "/16"}))[0]
             .contains("does not fit range 10.0.0.0/24")
@@ -201,6 +199,33 @@ fn network_name_and_node_slices() {
     assert!(
         errors(json!({"range": "10.0.0.0/24", "node_slice_size": "x"}))[0]
             .contains("is not a prefix length")
+    );
+}
+
+#[test]
+fn node_slice_sizes_per_range() {
+    // The top-level size slices every range without its own; a /26 cannot slice a /120.
+    let e = errors(json!({"node_slice_size": "/26", "ipRanges": [
+        {"range": "10.0.0.0/24"}, {"range": "fd00::/120"}]}));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(
+        e[0].starts_with(r#"ipam.node_slice_size "/26" does not fit range fd00::/120"#),
+        "{e:?}"
+    );
+    let ok = json!({"node_slice_size": "/26", "ipRanges": [
+        {"range": "10.0.0.0/24"}, {"range": "fd00::/120", "node_slice_size": "/122"}]});
+    assert!(errors(ok).is_empty());
+    let e = errors(json!({"ipRanges": [{"range": "10.0.0.0/24", "node_slice_size": "/31"}]}));
+    assert!(
+        e[0].starts_with(r#"ipam.ipRanges[0].node_slice_size "/31" does not fit range 10.0.0.0/24: a slice needs at least two host bits"#),
+        "{e:?}"
+    );
+    // Upstream's #666: a /8 in /27 slices would be a NodeSlicePool over the object size limit.
+    let e = errors(json!({"range": "10.0.0.0/8", "node_slice_size": "/27"}));
+    assert!(e[0].contains("into 524288 slices"), "{e:?}");
+    assert!(
+        warnings(json!({"ipRanges": [{"range": "10.0.0.0/24", "node_slice_size": "/26"}]}))
+            .is_empty()
     );
 }
 

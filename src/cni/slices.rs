@@ -92,7 +92,11 @@ impl<'r> Sliced<'r> {
             };
             // A burst of ADDs on one node finds its slice full at once: the first takes a slice,
             // the others use it rather than each taking one more.
-            if let Some(new) = self.mine(&pool).into_iter().find(|t| !tried.contains(&t.pool)) {
+            if let Some(new) = self
+                .mine(&pool)
+                .into_iter()
+                .find(|t| !tried.contains(&t.pool))
+            {
                 return Ok(Some(new));
             }
             let status = pool.status.get_or_insert_with(Default::default);

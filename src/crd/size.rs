@@ -81,6 +81,15 @@ pub fn typical_capacity() -> usize {
     (POOL_OBJECT_BUDGET - SHELL_BYTES) / typical_entry_bytes()
 }
 
+/// Bytes one slice adds to a NodeSlicePool's JSON, `{"nodeName":"..","sliceRange":".."},`, for a
+/// 63-character node name (a DNS label, what node names are in practice) and the longest IPv6
+/// slice text (43 characters).
+pub const NODE_SLICE_ENTRY_BYTES: usize = 12 + 63 + 16 + 43 + 3;
+
+/// The most slices one range may be cut into: a NodeSlicePool lists every slice (free ones with
+/// an empty node name) in one object (upstream's #666: a /8 in /27 slices, 524,288 entries).
+pub const MAX_NODE_SLICES: u128 = (POOL_OBJECT_BUDGET / NODE_SLICE_ENTRY_BYTES) as u128;
+
 fn decimal_len(n: u128) -> usize {
     n.checked_ilog10().map_or(1, |d| d as usize + 1)
 }

@@ -5,11 +5,12 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use super::{NodeSlice, RangeConfig};
 use super::reader::{Reader, parse_cidr_or_ip, parse_ip};
+use super::{NodeSlice, RangeConfig};
 use crate::config::problem::Problem;
+use crate::crd::size::{MAX_NODE_SLICES, NODE_SLICE_ENTRY_BYTES};
 use crate::ipam::naming::{object_name_problem, pool_name, reservation_name};
-use crate::ipam::slices::{parse_slice_size, slice_size_problem};
+use crate::ipam::slices::{parse_slice_size, slice_count, slice_size_problem};
 use crate::ipam::{AddrRange, Bound, RangeError};
 
 pub(super) fn read_ranges(r: &mut Reader<'_>, network_name: Option<&str>) -> Vec<RangeConfig> {
@@ -260,7 +261,12 @@ pub(super) fn check_node_slice(r: &mut Reader<'_>, ranges: &mut [RangeConfig]) {
 }
 
 /// The slice size `text` (at `path`) for `range`, or `None` with the problem recorded.
-fn node_slice(r: &mut Reader<'_>, path: String, text: &str, range: &AddrRange) -> Option<NodeSlice> {
+fn node_slice(
+    r: &mut Reader<'_>,
+    path: String,
+    text: &str,
+    range: &AddrRange,
+) -> Option<NodeSlice> {
     let Some(prefix) = parse_slice_size(text) else {
         r.errors.push(Problem::with_value(
             path,
@@ -269,7 +275,12 @@ fn node_slice(r: &mut Reader<'_>, path: String, text: &str, range: &AddrRange) -
         ));
         return None;
     };
-    if let Some(why) = slice_size_problem(range.cidr(), prefix) {
+    let count = slice_count(range.cidr(), prefix);
+    let too_many = (count > MAX_NODE_SLICES).then(|| format!(
+        "cuts range {} into {count} slices; a NodeSlicePool lists every slice in one object and holds at most {MAX_NODE_SLICES} (about {NODE_SLICE_ENTRY_BYTES} bytes each under the API server's 1.5 MiB limit): use a larger slice",
+        range.cidr()
+    ));
+    if let Some(why) = slice_size_problem(range.cidr(), prefix).or(too_many) {
         r.errors.push(Problem::with_value(path, text, why));
         return None;
     }
