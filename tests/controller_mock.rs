@@ -48,6 +48,8 @@ fn context_with(
         nads: reflector::store().0,
         pools: pool_store,
         reservations: res_store,
+        nodes: reflector::store().0,
+        slice_pools: reflector::store().0,
     };
     let opts = Options {
         pool_namespace: "kube-system".into(),

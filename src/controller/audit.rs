@@ -19,6 +19,7 @@ use super::Context;
 use super::pools::PoolView;
 use crate::alloc::Engine;
 use crate::crd::{IPAllocation, IPPool};
+use crate::ipam::naming::reservation_name;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
     parse_network_status,
@@ -144,11 +145,25 @@ pub fn stale_entries(pools: &[PoolView], live: &LivePods) -> Vec<EntryKey> {
 }
 
 /// Reservation names every pool entry implies.
+///
+/// A node slice's pool (`[<network>-]<node>-<slice>`) that no NodeSlicePool describes (deleted
+/// by hand, or not cached yet) reads as a pool of network `<network>-<node>`: so that its live
+/// reservations are never taken for orphans, every shorter `-`-separated prefix of a pool's
+/// network (and the unnamed network) counts as expected too. That only spares some true orphans.
 pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
-    pools
-        .iter()
-        .flat_map(|p| p.entries.keys().filter_map(|o| p.reservation_of(*o)))
-        .collect()
+    let mut expected = BTreeSet::new();
+    for p in pools {
+        let network = p.network_name.as_deref().unwrap_or_default();
+        let prefixes: Vec<Option<&str>> = network
+            .match_indices('-')
+            .map(|(i, _)| Some(&network[..i]))
+            .chain([None, p.network_name.as_deref()])
+            .collect();
+        for ip in p.entries.keys().filter_map(|o| p.ip(*o)) {
+            expected.extend(prefixes.iter().map(|n| reservation_name(*n, ip)));
+        }
+    }
+    expected
 }
 
 pub struct Auditor {
@@ -287,7 +302,7 @@ impl Auditor {
             .state()
             .iter()
             .find(|p| p.name_any() == *pool)
-            .and_then(|p| PoolView::from_pool(p))
+            .and_then(|p| PoolView::from_pool_in(p, &ctx.slice_index()))
         else {
             return Ok(false);
         };
@@ -350,11 +365,12 @@ impl Auditor {
                 code: 0,
                 message: e.to_string(),
             })?;
+        let slices = ctx.slice_index();
         let expected = expected_reservations(
             &pools
                 .items
                 .iter()
-                .filter_map(PoolView::from_pool)
+                .filter_map(|p| PoolView::from_pool_in(p, &slices))
                 .collect::<Vec<_>>(),
         );
         let mut released = 0;

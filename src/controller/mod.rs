@@ -10,6 +10,7 @@ pub mod audit;
 pub mod cleanup;
 pub mod nads;
 pub mod pools;
+pub mod slices;
 pub mod usage;
 
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::Client;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -25,7 +26,9 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, mpsc, watch};
 
-use crate::crd::{IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation};
+use crate::crd::{
+    IPPool, NetworkAttachmentDefinition, NodeSlicePool, OverlappingRangeIPReservation,
+};
 use crate::metrics::Metrics;
 use crate::ownership::PodIdentity;
 use crate::retry::POD_RELEASE;
@@ -48,6 +51,9 @@ pub struct Caches {
     pub nads: Store<NetworkAttachmentDefinition>,
     pub pools: Store<IPPool>,
     pub reservations: Store<OverlappingRangeIPReservation>,
+    /// Nodes, trimmed to their metadata: who gets node slices.
+    pub nodes: Store<Node>,
+    pub slice_pools: Store<NodeSlicePool>,
 }
 
 pub struct Context {
@@ -87,12 +93,18 @@ impl Context {
 
     /// The cached pools that parse (see [`pools::PoolView::from_pool`]).
     pub fn pool_views(&self) -> Vec<pools::PoolView> {
+        let slices = self.slice_index();
         self.caches
             .pools
             .state()
             .iter()
-            .filter_map(|p| pools::PoolView::from_pool(p))
+            .filter_map(|p| pools::PoolView::from_pool_in(p, &slices))
             .collect()
+    }
+
+    /// Which cached pools are node slices, and of which network.
+    pub fn slice_index(&self) -> pools::SliceIndex {
+        pools::SliceIndex::new(&self.caches.slice_pools.state())
     }
 
     pub fn is_leader(&self) -> bool {
@@ -160,9 +172,12 @@ pub async fn run(
     let (pods, pods_w) = reflector::store::<Pod>();
     let (pools, pools_w) = reflector::store::<IPPool>();
     let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
+    let (nodes, nodes_w) = reflector::store::<Node>();
+    let (slice_pools, slices_w) = reflector::store::<NodeSlicePool>();
     let (jobs_tx, jobs_rx) = mpsc::unbounded_channel::<Job>();
     metrics.register_collector(Box::new(usage::UsageCollector::new(
         pools.clone(),
+        slice_pools.clone(),
         nads.clone(),
     )));
 
@@ -178,6 +193,26 @@ pub async fn run(
         "reservation",
     );
 
+    // Node slices are planned again when a node comes or goes, or their objects change.
+    let node_watch = notifying_watch(
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .modify(trim_node)
+            .reflect(nodes_w),
+        "node",
+        nad_changed.clone(),
+    );
+    let slice_watch = notifying_watch(
+        watcher(
+            Api::<NodeSlicePool>::namespaced(client.clone(), &opts.pool_namespace),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(slices_w),
+        "nodeslicepool",
+        nad_changed.clone(),
+    );
+
     let (leader, election) = elect(&client, &opts, &metrics).await?;
     health.election_running.store(true, Ordering::Relaxed);
     let caches = Caches {
@@ -185,6 +220,8 @@ pub async fn run(
         nads,
         pools,
         reservations,
+        nodes,
+        slice_pools,
     };
     let ctx = Arc::new(Context::new(client, opts, caches, leader, metrics));
 
@@ -193,6 +230,8 @@ pub async fn run(
         () = pod_events => tracing::error!("pod watch ended"),
         () = pool_watch => tracing::error!("pool watch ended"),
         () = res_watch => tracing::error!("reservation watch ended"),
+        () = node_watch => tracing::error!("node watch ended"),
+        () = slice_watch => tracing::error!("nodeslicepool watch ended"),
         _ = loops => {}
         _ = shutdown => tracing::info!("shutting down"),
     }
@@ -266,6 +305,34 @@ where
         .for_each(move |e| log_watch_error(kind, e))
 }
 
+/// Only a node's name matters here: the rest of a Node object is dropped from the cache.
+fn trim_node(node: &mut Node) {
+    node.spec = None;
+    node.status = None;
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    node.metadata.labels = None;
+}
+
+/// Drives a reflected watch, logging its errors as `kind`'s and notifying `changed` on every
+/// change (a relist's events included).
+async fn notifying_watch<K, S>(stream: S, kind: &'static str, changed: Arc<Notify>)
+where
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    stream
+        .for_each(|e| {
+            if matches!(
+                e,
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)
+            ) {
+                changed.notify_one();
+            }
+            log_watch_error(kind, e)
+        })
+        .await
+}
+
 /// The controllers' loops (pod cleanup, pool audit, NAD/pool reconciliation), started once the
 /// caches they read are synced.
 async fn run_loops(
@@ -290,7 +357,9 @@ async fn caches_synced(ctx: Arc<Context>, health: Arc<Health>) {
     let _ = tokio::join!(
         c.pods.wait_until_ready(),
         c.pools.wait_until_ready(),
-        c.reservations.wait_until_ready()
+        c.reservations.wait_until_ready(),
+        // Which pools are node slices (and of which network) is read from these.
+        c.slice_pools.wait_until_ready()
     );
     health.caches_synced.store(true, Ordering::Relaxed);
     tracing::info!("caches synced");
@@ -470,6 +539,12 @@ async fn audit_loop(ctx: Arc<Context>) {
 
 async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
     let mut reported = std::collections::HashMap::new();
+    let mut slices_reported = std::collections::HashMap::new();
+    // Slices are never planned from a partial list of nodes (that would free slices in use).
+    let _ = tokio::join!(
+        ctx.caches.nodes.wait_until_ready(),
+        ctx.caches.slice_pools.wait_until_ready()
+    );
     loop {
         if ctx.is_leader() {
             let started = std::time::Instant::now();
@@ -479,6 +554,13 @@ async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
             }
             ctx.metrics
                 .observe_reconcile("nad", result.is_ok(), started.elapsed());
+            let started = std::time::Instant::now();
+            let result = slices::reconcile(&ctx, &mut slices_reported).await;
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "node slice reconcile failed");
+            }
+            ctx.metrics
+                .observe_reconcile("slices", result.is_ok(), started.elapsed());
         }
         // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
         // periodic pass.

@@ -48,7 +48,8 @@ pub fn desired(nads: &[Arc<NetworkAttachmentDefinition>]) -> Desired {
                 message,
             ));
         }
-        for range in &check.ranges {
+        // A sliced range allocates from its slices' pools, which the nodes create.
+        for range in check.ranges.iter().filter(|r| r.slices.is_none()) {
             let entry = d
                 .pools
                 .entry(range.pool_name())
@@ -165,7 +166,7 @@ async fn retire(api: &Api<IPPool>, name: &str, pool: &IPPool) -> Result<usize, k
     }
 }
 
-fn nad_reference(nad: &str) -> ObjectReference {
+pub(super) fn nad_reference(nad: &str) -> ObjectReference {
     let (namespace, name) = nad.split_once('/').unwrap_or_default();
     ObjectReference {
         api_version: Some("k8s.cni.cncf.io/v1".into()),

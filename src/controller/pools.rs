@@ -4,13 +4,17 @@
 //! every entry maps back to an address and to the reservation that guards it, without reading any
 //! NAD: cleanup works the same for a NAD that was edited or deleted since the pod started.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::Arc;
+
+use kube::ResourceExt;
 
 use crate::alloc::Target;
-use crate::crd::{IPAllocation, IPPool};
+use crate::crd::{IPAllocation, IPPool, NodeSlicePool};
 use crate::ipam::AddrRange;
 use crate::ipam::naming::{pool_name, reservation_name};
+use crate::ipam::slices::{is_slice_of, parse_slice_size};
 use crate::ownership::{PodIdentity, belongs_to};
 
 /// A parsed pool from the cache.
@@ -26,10 +30,19 @@ impl PoolView {
     /// `None` for a pool whose range does not parse or whose name does not fit its range (not
     /// ours to touch).
     pub fn from_pool(pool: &IPPool) -> Option<PoolView> {
+        Self::from_pool_in(pool, &SliceIndex::default())
+    }
+
+    /// As [`from_pool`](Self::from_pool), knowing the slice pools of `slices`, whose names
+    /// (`[<network>-]<node>-<slice>`) carry a node name between the network and the range.
+    pub fn from_pool_in(pool: &IPPool, slices: &SliceIndex) -> Option<PoolView> {
         let name = pool.metadata.name.clone()?;
         let cidr: ipnet::IpNet = pool.spec.range.parse().ok()?;
         let range = AddrRange::new(cidr, None, None, &[]).ok()?;
-        let network_name = network_of(&name, cidr)?;
+        let network_name = match slices.network_of(&name, cidr) {
+            Some(network) => network,
+            None => network_of(&name, cidr)?,
+        };
         let entries = pool
             .spec
             .allocations
@@ -62,6 +75,56 @@ impl PoolView {
             network: self.network_name.clone(),
             overlapping: true,
         }
+    }
+}
+
+/// The sliced ranges, from the NodeSlicePools: which pools are node slices, and of which network.
+#[derive(Debug, Default)]
+pub struct SliceIndex {
+    /// (range, slice prefix length, NodeSlicePool name, nodes holding a slice).
+    ranges: Vec<(ipnet::IpNet, u8, String, BTreeSet<String>)>,
+}
+
+impl SliceIndex {
+    pub fn new(pools: &[Arc<NodeSlicePool>]) -> SliceIndex {
+        let ranges = pools
+            .iter()
+            .filter_map(|p| {
+                let nodes = p.status.iter().flat_map(|s| &s.allocations);
+                Some((
+                    p.spec.range.parse().ok()?,
+                    parse_slice_size(&p.spec.slice_size)?,
+                    p.name_any(),
+                    nodes.map(|a| a.node_name.clone()).collect(),
+                ))
+            })
+            .collect();
+        SliceIndex { ranges }
+    }
+
+    /// The network of a slice pool (`Some(None)`: the unnamed network), `None` when `pool` is not
+    /// a slice pool. A NodeSlicePool is named after its network's `network_name`, or the
+    /// config's `name` when there is none, in which case its pools carry no network prefix: a
+    /// pool `<nodeslicepool>-<node>-<slice>` is the named network's unless `<nodeslicepool>-<node>`
+    /// is itself a node holding that slice.
+    pub fn network_of(&self, pool: &str, cidr: ipnet::IpNet) -> Option<Option<String>> {
+        let suffix = format!("-{}", pool_name(None, cidr));
+        let rest = pool.strip_suffix(&suffix)?;
+        self.ranges
+            .iter()
+            .filter(|(range, prefix, _, _)| {
+                *prefix == cidr.prefix_len() && is_slice_of(*range, cidr)
+            })
+            .find_map(|(_, _, name, nodes)| {
+                let named = rest
+                    .strip_prefix(&format!("{name}-"))
+                    .filter(|n| !n.is_empty());
+                match named {
+                    Some(_) if !nodes.contains(rest) => Some(Some(name.clone())),
+                    _ if !rest.is_empty() => Some(None),
+                    _ => None,
+                }
+            })
     }
 }
 
@@ -171,5 +234,57 @@ mod tests {
         assert_eq!(found.len(), 2);
         assert_eq!(found[0].1.iter().map(|(o, _)| *o).collect::<Vec<_>>(), [5]);
         assert_eq!(found[1].0.reservation_of(5).unwrap(), "blue-fd00--5");
+    }
+
+    #[test]
+    fn slice_pools_belong_to_their_network() {
+        let nsp = |name: &str, nodes: &[&str]| {
+            let mut p = NodeSlicePool::new(
+                name,
+                crate::crd::NodeSlicePoolSpec {
+                    range: "10.0.0.0/16".into(),
+                    slice_size: "/24".into(),
+                },
+            );
+            p.status = Some(crate::crd::NodeSlicePoolStatus {
+                allocations: nodes
+                    .iter()
+                    .map(|n| crate::crd::NodeSliceAllocation {
+                        node_name: (*n).into(),
+                        slice_range: "10.0.4.0/24".into(),
+                    })
+                    .collect(),
+            });
+            Arc::new(p)
+        };
+        let cidr = "10.0.4.0/24".parse().unwrap();
+        let index = SliceIndex::new(&[nsp("blue", &["node-1"])]);
+        assert_eq!(
+            index.network_of("blue-node-1-10.0.4.0-24", cidr),
+            Some(Some("blue".into()))
+        );
+        assert_eq!(
+            index.network_of("blue-10.0.4.0-24", cidr),
+            Some(None),
+            "node 'blue', unnamed"
+        );
+        assert_eq!(index.network_of("blue-node-1-10.0.5.0-24", cidr), None);
+        // The unnamed network: the NodeSlicePool is named after the config, its pools are not.
+        let index = SliceIndex::new(&[nsp("mynet", &["worker"])]);
+        assert_eq!(index.network_of("worker-10.0.4.0-24", cidr), Some(None));
+        let p = pool(
+            "blue-node-1-10.0.4.0-24",
+            "10.0.4.0/24",
+            &[(5, "ns/a", "ua")],
+        );
+        let index = SliceIndex::new(&[nsp("blue", &["node-1"])]);
+        let view = PoolView::from_pool_in(&p, &index).unwrap();
+        assert_eq!(view.reservation_of(5).unwrap(), "blue-10.0.4.5");
+        let plain = PoolView::from_pool(&p).unwrap();
+        assert_eq!(
+            plain.network_name.as_deref(),
+            Some("blue-node-1"),
+            "without the index"
+        );
     }
 }

@@ -14,8 +14,9 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{GaugeVec, Opts};
 
-use super::pools::PoolView;
-use crate::crd::{IPPool, NetworkAttachmentDefinition};
+use super::pools::{PoolView, SliceIndex};
+use crate::crd::{IPPool, NetworkAttachmentDefinition, NodeSlicePool};
+use crate::ipam::slices::is_slice_of;
 use crate::nad_check::check_spec_config;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -49,17 +50,18 @@ pub fn network_usage(
     for nad in nads {
         let network = format!("{}/{}", nad.namespace().unwrap_or_default(), nad.name_any());
         for range in check_spec_config(&nad.spec.config).ranges {
-            let pool = range.pool_name();
-            let allocated = pools
+            let allocated: u128 = pools
                 .iter()
-                .find(|p| p.name == pool)
+                .filter(|p| allocates(p, &range))
                 .map(|p| {
-                    p.entries
-                        .keys()
-                        .filter(|o| range.range.is_allocatable(**o))
-                        .count() as u128
+                    let in_window = |o: &&u128| {
+                        p.ip(**o)
+                            .and_then(|ip| range.range.offset_of(ip))
+                            .is_some_and(|o| range.range.is_allocatable(o))
+                    };
+                    p.entries.keys().filter(in_window).count() as u128
                 })
-                .unwrap_or(0);
+                .sum();
             out.push((
                 network.clone(),
                 range.range.cidr().to_string(),
@@ -73,9 +75,22 @@ pub fn network_usage(
     out
 }
 
+/// True when `pool` holds addresses of `range`: its pool, or (sliced) one of its node slices'.
+fn allocates(pool: &PoolView, range: &crate::nad_check::NadRange) -> bool {
+    match &range.slices {
+        None => pool.name == range.pool_name(),
+        Some((_, size)) => {
+            pool.network_name == range.network_name
+                && pool.range.cidr().prefix_len() == size.prefix
+                && is_slice_of(range.range.cidr(), pool.range.cidr())
+        }
+    }
+}
+
 /// The scrape-time collector over the operator's caches.
 pub struct UsageCollector {
     pools: Store<IPPool>,
+    slice_pools: Store<NodeSlicePool>,
     nads: Store<NetworkAttachmentDefinition>,
     descs: Vec<Desc>,
 }
@@ -133,12 +148,21 @@ pub fn family_names() -> Vec<String> {
 }
 
 impl UsageCollector {
-    pub fn new(pools: Store<IPPool>, nads: Store<NetworkAttachmentDefinition>) -> Self {
+    pub fn new(
+        pools: Store<IPPool>,
+        slice_pools: Store<NodeSlicePool>,
+        nads: Store<NetworkAttachmentDefinition>,
+    ) -> Self {
         let descs = families()
             .iter()
             .flat_map(|g| g.desc().into_iter().cloned())
             .collect();
-        UsageCollector { pools, nads, descs }
+        UsageCollector {
+            pools,
+            slice_pools,
+            nads,
+            descs,
+        }
     }
 }
 
@@ -158,11 +182,12 @@ impl Collector for UsageCollector {
             net_size,
             net_allocated,
         ] = &all;
+        let slices = SliceIndex::new(&self.slice_pools.state());
         let pools: Vec<PoolView> = self
             .pools
             .state()
             .iter()
-            .filter_map(|p| PoolView::from_pool(p))
+            .filter_map(|p| PoolView::from_pool_in(p, &slices))
             .collect();
         for p in &pools {
             let u = pool_usage(p);
@@ -289,7 +314,7 @@ mod tests {
             },
         );
         w.apply_watcher_event(&kube::runtime::watcher::Event::Apply(p));
-        let c = UsageCollector::new(pools, nads);
+        let c = UsageCollector::new(pools, kube::runtime::reflector::store().0, nads);
         let names: Vec<String> = c.collect().iter().map(|f| f.name().to_owned()).collect();
         assert!(
             names.contains(&"whereabouts_pool_allocated_addresses".to_owned()),

@@ -26,6 +26,8 @@ pub struct Metrics {
     pub reconcile_duration: HistogramVec,
     pub stale: IntGaugeVec,
     pub orphans: IntGauge,
+    pub node_slices: IntGaugeVec,
+    pub nodes_without_slice: IntGaugeVec,
     pub leader: IntGauge,
     pub build_info: IntGaugeVec,
     pub webhook_requests: IntCounterVec,
@@ -91,6 +93,8 @@ impl Metrics {
             reconciles: register(&r, IntCounterVec::new(Opts::new("whereabouts_reconcile_total", "Reconcile passes, by controller and result."), &["controller", "result"]).unwrap()),
             reconcile_duration: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_reconcile_duration_seconds", "Duration of reconcile passes."), &["controller"]).unwrap()),
             stale: register(&r, IntGaugeVec::new(Opts::new("whereabouts_stale_reservations", "Pool entries whose pod no longer exists, as last audited."), &["pool"]).unwrap()),
+            node_slices: register(&r, IntGaugeVec::new(Opts::new("whereabouts_node_slices", "Node slices of each sliced range, by NodeSlicePool and state (assigned, free); their sum is the slice count."), &["nodeslicepool", "state"]).unwrap()),
+            nodes_without_slice: register(&r, IntGaugeVec::new(Opts::new("whereabouts_nodes_without_slice", "Nodes the operator could not give a slice of this NodeSlicePool (every slice is taken): their pods on this network fail."), &["nodeslicepool"]).unwrap()),
             orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
             leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
             build_info: build_info(&r),
@@ -134,6 +138,25 @@ impl Metrics {
             self.stale.with_label_values(&[pool]).set(*n as i64);
         }
         self.orphans.set(orphans as i64);
+    }
+
+    /// The slices of every sliced range as last planned: (NodeSlicePool, slices, assigned,
+    /// nodes without a slice). Ranges no NAD slices any more disappear.
+    pub fn set_node_slices(&self, networks: &[(String, usize, usize, usize)]) {
+        self.node_slices.reset();
+        self.nodes_without_slice.reset();
+        for (name, total, assigned, starved) in networks {
+            let set = |state: &str, n: usize| {
+                self.node_slices
+                    .with_label_values(&[name.as_str(), state])
+                    .set(n as i64)
+            };
+            set("assigned", *assigned);
+            set("free", total - assigned);
+            self.nodes_without_slice
+                .with_label_values(&[name])
+                .set(*starved as i64);
+        }
     }
 
     /// Adds a scrape-time collector (the pool and network usage over the operator's caches). A

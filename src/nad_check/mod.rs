@@ -15,8 +15,9 @@ mod report;
 
 use serde_json::Value;
 
-use crate::config::{NetConf, Problem, Source, result_shape_problem, validate_ipam};
+use crate::config::{NetConf, NodeSlice, Problem, Source, result_shape_problem, validate_ipam};
 use crate::ipam::AddrRange;
+use crate::ipam::naming::{node_slice_pool_name, object_name_problem};
 pub use overlap::{OVERLAP_EXAMPLES, RangeIndex, overlap_warnings};
 pub use report::{CheckedNad, Finding, ReadError, Severity, check_object, check_text, findings};
 
@@ -30,6 +31,8 @@ pub struct NadRange {
     pub path: String,
     pub network_name: Option<String>,
     pub range: AddrRange,
+    /// The range's node slices: its NodeSlicePool's name and the slice size, if it is sliced.
+    pub slices: Option<(String, NodeSlice)>,
 }
 
 impl NadRange {
@@ -90,14 +93,40 @@ pub fn check_spec_config(config: &str) -> NadCheck {
         if let Some(cfg) = v.config {
             out.errors
                 .extend(result_shape_problem(&conf.cni_version, &prefix, &cfg));
-            out.ranges.extend(cfg.ranges.into_iter().map(|r| NadRange {
-                path: r.path,
-                network_name: cfg.network_name.clone(),
-                range: r.range,
-            }));
+            let base = match cfg.network_name.as_deref() {
+                Some(n) if !n.is_empty() => n.to_owned(),
+                _ => conf.name.clone(),
+            };
+            for (i, r) in cfg.ranges.into_iter().enumerate() {
+                let slices = r
+                    .node_slice
+                    .map(|size| (node_slice_pool_name(&base, i, r.range.cidr()), size));
+                if let Some((name, _)) = &slices {
+                    out.errors.extend(slice_pool_name_problem(&prefix, name));
+                }
+                out.ranges.push(NadRange {
+                    path: r.path,
+                    network_name: cfg.network_name.clone(),
+                    range: r.range,
+                    slices,
+                });
+            }
         }
     }
     out
+}
+
+/// A NodeSlicePool is named after the network (`network_name`, else the config's `name`), so that
+/// name must be a valid object name once slices are on.
+fn slice_pool_name_problem(prefix: &str, name: &str) -> Option<Problem> {
+    let why = object_name_problem(name)?;
+    Some(Problem::with_value(
+        format!("{prefix}.node_slice_size"),
+        name,
+        format!(
+            "names the NodeSlicePool after the network (network_name, else the config's name), and {name:?} {why}: set a network_name that is a valid object name"
+        ),
+    ))
 }
 
 /// A problem as a person reads it: `spec.config: ipam.range "x" is not a CIDR ...`.
