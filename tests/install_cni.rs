@@ -58,7 +58,8 @@ fn installs_binary_flat_file_and_kubeconfig_with_their_modes() {
         Report {
             binary: true,
             flat_file: true,
-            kubeconfig: true
+            kubeconfig: true,
+            nodename: false
         }
     );
     let t = f.args.targets();
@@ -269,4 +270,18 @@ fn leftover_temporary_files_are_removed() {
     remove_stale_temps(dir.path());
     assert!(!stale.exists());
     assert!(dir.path().join("bridge").exists());
+}
+
+#[test]
+fn writes_the_node_name_for_node_slices() {
+    let mut f = fixture();
+    f.args.node_name = Some("worker-1".into());
+    assert!(install_once(&f.args).unwrap().nodename);
+    let t = f.args.targets();
+    assert!(t.nodename.ends_with("etc/cni/net.d/whereabouts.d/nodename"));
+    assert_eq!(std::fs::read_to_string(&t.nodename).unwrap(), "worker-1\n");
+    assert!(
+        !install_once(&f.args).unwrap().nodename,
+        "unchanged: not rewritten"
+    );
 }

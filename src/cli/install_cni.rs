@@ -103,6 +103,19 @@ pub struct InstallCniArgs {
     /// Install once and exit.
     #[arg(long, env = "WHEREABOUTS_ONCE")]
     pub once: bool,
+    /// This node's name, written to `whereabouts.d/nodename` where the plugin (ours and
+    /// upstream's) looks for it when a network uses node slices. The DaemonSet passes
+    /// `spec.nodeName`.
+    #[arg(long, env = "NODENAME", value_name = "NAME", value_parser = parse_node_name)]
+    pub node_name: Option<String>,
+}
+
+/// A node name, checked to be usable in the object names of node slices' pools.
+fn parse_node_name(text: &str) -> Result<String, String> {
+    match crate::ipam::naming::object_name_problem(text) {
+        None => Ok(text.to_owned()),
+        Some(why) => Err(format!("{text:?} is not a node name: it {why}")),
+    }
 }
 
 impl InstallCniArgs {
@@ -123,6 +136,7 @@ impl InstallCniArgs {
             log_level: None,
             interval: Duration::from_secs(30),
             once: false,
+            node_name: None,
         }
     }
 
@@ -146,6 +160,7 @@ impl InstallCniArgs {
             binary: self.under_root(&self.cni_bin_dir).join("whereabouts"),
             flat_file: conf.join("whereabouts.conf"),
             kubeconfig: conf.join("whereabouts.kubeconfig"),
+            nodename: conf.join("nodename"),
         }
     }
 }
@@ -155,6 +170,7 @@ pub struct Targets {
     pub binary: PathBuf,
     pub flat_file: PathBuf,
     pub kubeconfig: PathBuf,
+    pub nodename: PathBuf,
 }
 
 /// What one pass changed.
@@ -163,6 +179,7 @@ pub struct Report {
     pub binary: bool,
     pub flat_file: bool,
     pub kubeconfig: bool,
+    pub nodename: bool,
 }
 
 /// Installs, then (without --once) re-checks every --interval until SIGTERM or SIGINT. A failed
@@ -238,6 +255,15 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
             .with_context(|| format!("--cni-conf-dir: writing {}", targets.kubeconfig.display()))?,
         flat_file: write_atomic(&targets.flat_file, flat.as_bytes(), FLAT_FILE_MODE)
             .with_context(|| format!("--cni-conf-dir: writing {}", targets.flat_file.display()))?,
+        nodename: match &args.node_name {
+            Some(name) => write_atomic(
+                &targets.nodename,
+                format!("{name}\n").as_bytes(),
+                FLAT_FILE_MODE,
+            )
+            .with_context(|| format!("--cni-conf-dir: writing {}", targets.nodename.display()))?,
+            None => false,
+        },
     })
 }
 

@@ -87,27 +87,32 @@ pub struct OverlappingRangeIPReservationSpec {
     plural = "nodeslicepools",
     namespaced,
     status = "NodeSlicePoolStatus",
-    doc = "Per-node slices of a range (upstream's fast IPAM); stored for compatibility.",
+    doc = "The node slices of one range (upstream's fast IPAM, node_slice_size): each node allocates from the IPPools of its slices. Written by the operator; a node takes a free slice when its own are full.",
     printcolumn = r#"{"name":"Range","type":"string","jsonPath":".spec.range"}"#,
     printcolumn = r#"{"name":"Slice","type":"string","jsonPath":".spec.sliceSize"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 pub struct NodeSlicePoolSpec {
+    /// The whole range, as a CIDR with the host bits cleared (`10.0.0.0/16`).
     pub range: String,
+    /// The slice size as configured (`node_slice_size`, for example `/24` or `24`).
     #[serde(rename = "sliceSize")]
     pub slice_size: String,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct NodeSlicePoolStatus {
+    /// Every slice of the range in ascending order, with the node it is assigned to.
     #[serde(default)]
     pub allocations: Vec<NodeSliceAllocation>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct NodeSliceAllocation {
+    /// The node that allocates from this slice; empty when the slice is free.
     #[serde(rename = "nodeName")]
     pub node_name: String,
+    /// The slice, as a CIDR (`10.0.4.0/24`); its pool is `[<network_name>-]<node>-<slice>`.
     #[serde(rename = "sliceRange")]
     pub slice_range: String,
 }
