@@ -13,5 +13,7 @@ trap cleanup EXIT
 
 e2e/cluster.sh up >/dev/null
 cargo build --bins
+# Upstream's plugin (v0.9.2) for the mixed-fleet tests (tests/e2e/slices.rs).
+[[ -x bench/bin/whereabouts-upstream ]] || bench/build.sh --upstream-only
 # Tests run in parallel, each in its own namespace; two threads keep a 2-core machine responsive.
 cargo test --test e2e -- --test-threads="${E2E_THREADS:-2}" "$@"

@@ -193,14 +193,16 @@ pub async fn run(
         "reservation",
     );
 
-    // Node slices are planned again when a node comes or goes, or their objects change.
+    // Node slices are planned again when a node comes or goes, their objects change, or after
+    // every NAD pass.
+    let slices_changed = Arc::new(Notify::new());
     let node_watch = notifying_watch(
         watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
             .default_backoff()
             .modify(trim_node)
             .reflect(nodes_w),
         "node",
-        nad_changed.clone(),
+        slices_changed.clone(),
     );
     let slice_watch = notifying_watch(
         watcher(
@@ -210,7 +212,7 @@ pub async fn run(
         .default_backoff()
         .reflect(slices_w),
         "nodeslicepool",
-        nad_changed.clone(),
+        slices_changed.clone(),
     );
 
     let (leader, election) = elect(&client, &opts, &metrics).await?;
@@ -225,7 +227,12 @@ pub async fn run(
     };
     let ctx = Arc::new(Context::new(client, opts, caches, leader, metrics));
 
-    let loops = run_loops(ctx.clone(), health, (jobs_tx, jobs_rx), nad_changed);
+    let loops = run_loops(
+        ctx.clone(),
+        health,
+        (jobs_tx, jobs_rx),
+        (nad_changed, slices_changed),
+    );
     tokio::select! {
         () = pod_events => tracing::error!("pod watch ended"),
         () = pool_watch => tracing::error!("pool watch ended"),
@@ -339,13 +346,14 @@ async fn run_loops(
     ctx: Arc<Context>,
     health: Arc<Health>,
     (jobs_tx, jobs_rx): (mpsc::UnboundedSender<Job>, mpsc::UnboundedReceiver<Job>),
-    nad_changed: Arc<Notify>,
+    (nad_changed, slices_changed): (Arc<Notify>, Arc<Notify>),
 ) {
     caches_synced(ctx.clone(), health).await;
     tokio::join!(
         cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
         audit_loop(ctx.clone()),
-        nad_loop(ctx, nad_changed)
+        nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
+        slice_loop(ctx, slices_changed)
     );
 }
 
@@ -537,14 +545,8 @@ async fn audit_loop(ctx: Arc<Context>) {
     }
 }
 
-async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
+async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>, slices: Arc<Notify>) {
     let mut reported = std::collections::HashMap::new();
-    let mut slices_reported = std::collections::HashMap::new();
-    // Slices are never planned from a partial list of nodes (that would free slices in use).
-    let _ = tokio::join!(
-        ctx.caches.nodes.wait_until_ready(),
-        ctx.caches.slice_pools.wait_until_ready()
-    );
     loop {
         if ctx.is_leader() {
             let started = std::time::Instant::now();
@@ -554,17 +556,35 @@ async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
             }
             ctx.metrics
                 .observe_reconcile("nad", result.is_ok(), started.elapsed());
+        }
+        slices.notify_one();
+        // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
+        // periodic pass.
+        let _ = tokio::time::timeout(Duration::from_secs(30), changed.notified()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await; // coalesce bursts of NAD events
+    }
+}
+
+/// Node slices, in a loop of their own: a cluster where nodes cannot be listed (RBAC of an older
+/// install) still gets its NADs' pools. Drained slices are noticed by the periodic pass.
+async fn slice_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
+    // Never planned from a partial list of nodes: that would free slices in use.
+    let _ = tokio::join!(
+        ctx.caches.nodes.wait_until_ready(),
+        ctx.caches.slice_pools.wait_until_ready()
+    );
+    let mut reported = std::collections::HashMap::new();
+    loop {
+        if ctx.is_leader() {
             let started = std::time::Instant::now();
-            let result = slices::reconcile(&ctx, &mut slices_reported).await;
+            let result = slices::reconcile(&ctx, &mut reported).await;
             if let Err(e) = &result {
                 tracing::warn!(error = %e, "node slice reconcile failed");
             }
             ctx.metrics
                 .observe_reconcile("slices", result.is_ok(), started.elapsed());
         }
-        // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
-        // periodic pass.
-        let _ = tokio::time::timeout(Duration::from_secs(30), changed.notified()).await;
-        tokio::time::sleep(Duration::from_millis(200)).await; // coalesce bursts of NAD events
+        let _ = tokio::time::timeout(Duration::from_secs(15), changed.notified()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -136,6 +136,19 @@ pub struct NetworkAttachmentDefinitionSpec {
     pub config: String,
 }
 
+/// NodeSlicePool as upstream defines it: `status` is part of the object, not a subresource (the
+/// derive would make one), so one PUT writes spec and status, by the operator and by a node
+/// taking a free slice, exactly as upstream's controller writes it.
+fn node_slice_pool_crd()
+-> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    use kube::CustomResourceExt;
+    let mut crd = NodeSlicePool::crd();
+    for version in &mut crd.spec.versions {
+        version.subresources = None;
+    }
+    crd
+}
+
 /// Every CRD this project ships, in the order `crds/` lists them.
 pub fn all() -> Vec<(
     &'static str,
@@ -148,7 +161,7 @@ pub fn all() -> Vec<(
             "overlappingrangeipreservations.yaml",
             OverlappingRangeIPReservation::crd(),
         ),
-        ("nodeslicepools.yaml", NodeSlicePool::crd()),
+        ("nodeslicepools.yaml", node_slice_pool_crd()),
         (
             "network-attachment-definitions.yaml",
             NetworkAttachmentDefinition::crd(),

@@ -8,4 +8,5 @@ mod install;
 mod metrics;
 mod netns;
 mod operator;
+mod slices;
 mod webhook;
