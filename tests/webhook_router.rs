@@ -427,3 +427,59 @@ async fn thousands_of_overlapping_nads_give_one_bounded_warning() {
     );
     assert!(w.len() < 400, "{}", w.len());
 }
+
+/// An UPDATE of `valid-update` from `old` to `new` ipam objects: (allowed, message, warnings).
+async fn update(old: Value, new: Value) -> (bool, String, Vec<String>) {
+    let mut review: Value = serde_json::from_slice(&fixture("valid-update")).unwrap();
+    let conf = |ipam: Value| {
+        serde_json::json!({"cniVersion": "0.3.1", "name": "net", "type": "macvlan", "ipam": ipam})
+            .to_string()
+    };
+    review["request"]["object"]["spec"]["config"] = conf(new).into();
+    review["request"]["oldObject"]["spec"]["config"] = conf(old).into();
+    let (status, out) = post(serde_json::to_vec(&review).unwrap()).await;
+    assert_eq!(status, StatusCode::OK);
+    let r: Value = serde_json::from_slice(&out).unwrap();
+    let warnings = r["response"]["warnings"]
+        .as_array()
+        .map(|w| w.iter().map(|s| s.as_str().unwrap().to_owned()).collect())
+        .unwrap_or_default();
+    (
+        r["response"]["allowed"].as_bool().unwrap(),
+        r["response"]["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+        warnings,
+    )
+}
+
+#[tokio::test]
+async fn node_slice_changes_on_update_are_explained_or_refused() {
+    let sliced = |size: &str| serde_json::json!({"type": "whereabouts", "range": "10.2.0.0/22", "node_slice_size": size});
+    let (allowed, _, w) = update(sliced("/26"), sliced("/25")).await;
+    assert!(allowed);
+    assert!(
+        w.iter().any(|w| w.contains("changes nodeslicepool net from range 10.2.0.0/22 in /26 slices to range 10.2.0.0/22 in /25 slices")),
+        "{w:?}"
+    );
+    let plain = serde_json::json!({"type": "whereabouts", "range": "10.2.0.0/22"});
+    let (allowed, _, w) = update(plain.clone(), sliced("/26")).await;
+    assert!(allowed);
+    assert!(
+        w.iter()
+            .any(|w| w.contains("switches range 10.2.0.0/22 to node slices")
+                && w.contains("reservations keep")),
+        "{w:?}"
+    );
+    let unguarded = serde_json::json!({"type": "whereabouts", "range": "10.2.0.0/22", "enable_overlapping_ranges": false});
+    let (allowed, msg, _) = update(sliced("/26"), unguarded).await;
+    assert!(!allowed);
+    assert!(
+        msg.contains("switches range 10.2.0.0/22 from node slices")
+            && msg.contains("enable_overlapping_ranges false"),
+        "{msg}"
+    );
+    let (allowed, _, w) = update(sliced("/26"), sliced("/26")).await;
+    assert!(allowed && w.is_empty(), "{w:?}");
+}

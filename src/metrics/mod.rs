@@ -188,6 +188,8 @@ impl Metrics {
             &self.reconcile_duration,
             &self.stale,
             &self.orphans,
+            &self.node_slices,
+            &self.nodes_without_slice,
             &self.leader,
             &self.build_info,
             &self.webhook_requests,

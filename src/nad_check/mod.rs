@@ -33,6 +33,8 @@ pub struct NadRange {
     pub range: AddrRange,
     /// The range's node slices: its NodeSlicePool's name and the slice size, if it is sliced.
     pub slices: Option<(String, NodeSlice)>,
+    /// `enable_overlapping_ranges`: reservations guard its addresses across pools.
+    pub overlapping: bool,
 }
 
 impl NadRange {
@@ -109,6 +111,7 @@ pub fn check_spec_config(config: &str) -> NadCheck {
                     network_name: cfg.network_name.clone(),
                     range: r.range,
                     slices,
+                    overlapping: cfg.enable_overlapping_ranges,
                 });
             }
         }

@@ -183,10 +183,59 @@ fn judge(
     let me = format!("{namespace}/{name}");
     let overlaps = overlap_warnings(&check.ranges, &me, &nads.index());
     warnings.extend(overlaps.iter().map(message));
-    Verdict {
-        denial: None,
-        warnings,
+    let old = req
+        .old_object
+        .as_ref()
+        .and_then(|o| o.data.get("spec")?.get("config")?.as_str());
+    let (slice_warnings, denial) = match old {
+        Some(old) => slice_changes(&check_spec_config(old), &check),
+        None => (Vec::new(), None),
+    };
+    warnings.extend(slice_warnings);
+    Verdict { denial, warnings }
+}
+
+/// What an UPDATE does to node slices. A new range or size of a sliced range is allowed (the
+/// operator keeps the old slices while they hold addresses); switching a range between a pool
+/// and slices moves new allocations to other pool objects, and only the overlapping-range
+/// reservations then keep an address in use from being handed out again: refused when they are
+/// off.
+fn slice_changes(
+    old: &crate::nad_check::NadCheck,
+    new: &crate::nad_check::NadCheck,
+) -> (Vec<String>, Option<String>) {
+    let mut warnings = Vec::new();
+    let mut denial = None;
+    for r in &new.ranges {
+        let Some(before) = old
+            .ranges
+            .iter()
+            .find(|o| o.network_name == r.network_name && o.range.windows_overlap(&r.range))
+        else {
+            continue;
+        };
+        match (&before.slices, &r.slices) {
+            (Some((name, a)), Some((_, b))) if a != b || before.range.cidr() != r.range.cidr() => warnings.push(format!(
+                "spec.config: {} changes nodeslicepool {name} from range {} in {} slices to range {} in {} slices: the operator keeps the old slices until they hold no address, then re-slices",
+                r.path, before.range.cidr(), a.text, r.range.cidr(), b.text
+            )),
+            (None, Some(_)) | (Some(_), None) => {
+                let what = format!(
+                    "spec.config: {} switches range {} {} node slices: new addresses come from other pool objects than the addresses in use",
+                    r.path,
+                    r.range.cidr(),
+                    if r.slices.is_some() { "to" } else { "from" }
+                );
+                if r.overlapping {
+                    warnings.push(format!("{what}; the overlapping-range reservations keep those from being handed out twice"));
+                } else {
+                    denial = Some(format!("{what}, and with enable_overlapping_ranges false nothing would keep them from being handed out twice: turn it on for the switch, or remove the pods of this network first"));
+                }
+            }
+            _ => {}
+        }
     }
+    (warnings, denial)
 }
 
 /// kube's response to request `uid`. kube builds a response from a parsed request or as
