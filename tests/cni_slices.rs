@@ -328,7 +328,7 @@ async fn a_node_without_a_slice_waits_then_says_so() {
 #[test]
 fn the_node_name_must_be_usable_in_object_names() {
     let e = request(Command::Add, &v4(), "Node_A", "c").unwrap_err();
-    assert_eq!(e.code, Code::InvalidConfig);
+    assert_eq!(e.code, Code::InvalidEnv);
     assert!(e.msg.contains("\"Node_A\" (from NODENAME)"), "{}", e.msg);
     // Not read at all without slices.
     let plain = json!({"type": "whereabouts", "range": "10.0.0.0/24"});

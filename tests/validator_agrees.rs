@@ -14,6 +14,8 @@ fn plugin(config: &str) -> Result<(), (Code, String)> {
     let env = |k: &str| match k {
         "CNI_CONTAINERID" => Some("c1".to_owned()),
         "CNI_IFNAME" => Some("net1".to_owned()),
+        // Node slices read the node's name; this one is valid.
+        "NODENAME" => Some("node-1".to_owned()),
         "CNI_ARGS" => {
             Some("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u".to_owned())
         }
@@ -121,9 +123,16 @@ fn range_keys() -> impl Strategy<Value = serde_json::Map<String, Value>> {
         prop::option::of(address()),
         prop::option::of(address()),
         prop::option::of(prop::collection::vec(cidr(), 0..3)),
+        prop::option::weighted(
+            0.3,
+            prop::sample::select(vec!["/28", "24", "/120", "/126", "x", "/31", "/8"]),
+        ),
     )
-        .prop_map(|(range, start, end, exclude)| {
+        .prop_map(|(range, start, end, exclude, slice)| {
             let mut m = serde_json::Map::new();
+            if let Some(s) = slice {
+                m.insert("node_slice_size".into(), json!(s));
+            }
             if let Some(r) = range {
                 m.insert("range".into(), r);
             }
@@ -187,11 +196,13 @@ fn ipam() -> impl Strategy<Value = Value> {
 
 /// A plugin config or a conflist holding `ipam`, with `version` at the top.
 fn config() -> impl Strategy<Value = Value> {
-    (version(), ipam(), any::<bool>()).prop_map(|(version, ipam, list)| {
+    // An invalid name is an invalid NodeSlicePool name once slices are on.
+    let name = prop::sample::select(vec!["n", "Not_A_Name"]);
+    (version(), ipam(), any::<bool>(), name).prop_map(|(version, ipam, list, name)| {
         let mut c = if list {
-            json!({"name": "n", "plugins": [{"type": "bridge", "ipam": ipam}, {"type": "tuning"}]})
+            json!({"name": name, "plugins": [{"type": "bridge", "ipam": ipam}, {"type": "tuning"}]})
         } else {
-            json!({"name": "n", "type": "macvlan", "master": "eth0", "ipam": ipam})
+            json!({"name": name, "type": "macvlan", "master": "eth0", "ipam": ipam})
         };
         if let Some(v) = version {
             c["cniVersion"] = v;

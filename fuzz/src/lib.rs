@@ -27,6 +27,8 @@ pub fn good_env(key: &str) -> Option<String> {
     match key {
         "CNI_CONTAINERID" => Some("c1".to_owned()),
         "CNI_IFNAME" => Some("net1".to_owned()),
+        // Node slices read the node's name; this one is valid.
+        "NODENAME" => Some("node-1".to_owned()),
         "CNI_ARGS" => {
             Some("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_UID=u".to_owned())
         }

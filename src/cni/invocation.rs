@@ -12,8 +12,8 @@ use super::slices;
 use crate::alloc::{Attachment, Target};
 use crate::config::netconf::one_address_per_family;
 use crate::config::{
-    IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat, problem,
-    result_shape_problem, validate_ipam,
+    IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat,
+    node_slice_pool_problem, problem, result_shape_problem, validate_ipam,
 };
 
 /// Everything a command needs, validated.
@@ -151,6 +151,12 @@ impl Invocation {
             );
         }
         let ipam = validated(merged, prefix)?;
+        if let Some(p) = node_slice_pool_problem(prefix, &conf.name, &ipam) {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                format!("invalid whereabouts config: {p}"),
+            ));
+        }
         let args = CniArgs::parse(&self.cni_args)?;
         check_result_shape(&conf.cni_version, prefix, &ipam, &args)?;
         let attachment = Attachment {

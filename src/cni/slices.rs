@@ -190,12 +190,8 @@ impl<'r> Sliced<'r> {
     }
 }
 
-/// The NodeSlicePool's base name: `network_name`, else the network config's `name` (upstream).
 fn network(req: &Request) -> String {
-    match req.ipam.network_name.as_deref() {
-        Some(n) if !n.is_empty() => n.to_owned(),
-        _ => req.conf.name.clone(),
-    }
+    crate::config::node_slice_base(&req.conf.name, &req.ipam)
 }
 
 fn retry(e: StoreError) -> CniError {
@@ -213,7 +209,8 @@ pub struct NodeNameSources<'a> {
 
 /// The node's name, checked to be usable in object names.
 pub fn node_name(from: &NodeNameSources<'_>) -> Result<String, CniError> {
-    let invalid = |m: String| CniError::new(Code::InvalidConfig, m);
+    // The node's name is environment, not configuration.
+    let invalid = |m: String| CniError::new(Code::InvalidEnv, m);
     let (name, source) = match from.env.map(str::trim).filter(|n| !n.is_empty()) {
         Some(n) => (n.to_owned(), "NODENAME".to_owned()),
         None => read_name_file(from).ok_or_else(|| {

@@ -15,9 +15,12 @@ mod report;
 
 use serde_json::Value;
 
-use crate::config::{NetConf, NodeSlice, Problem, Source, result_shape_problem, validate_ipam};
+use crate::config::{
+    NetConf, NodeSlice, Problem, Source, node_slice_base, node_slice_pool_problem,
+    result_shape_problem, validate_ipam,
+};
 use crate::ipam::AddrRange;
-use crate::ipam::naming::{node_slice_pool_name, object_name_problem};
+use crate::ipam::naming::node_slice_pool_name;
 pub use overlap::{OVERLAP_EXAMPLES, RangeIndex, overlap_warnings};
 pub use report::{CheckedNad, Finding, ReadError, Severity, check_object, check_text, findings};
 
@@ -95,17 +98,13 @@ pub fn check_spec_config(config: &str) -> NadCheck {
         if let Some(cfg) = v.config {
             out.errors
                 .extend(result_shape_problem(&conf.cni_version, &prefix, &cfg));
-            let base = match cfg.network_name.as_deref() {
-                Some(n) if !n.is_empty() => n.to_owned(),
-                _ => conf.name.clone(),
-            };
+            out.errors
+                .extend(node_slice_pool_problem(&prefix, &conf.name, &cfg));
+            let base = node_slice_base(&conf.name, &cfg);
             for (i, r) in cfg.ranges.into_iter().enumerate() {
                 let slices = r
                     .node_slice
                     .map(|size| (node_slice_pool_name(&base, i, r.range.cidr()), size));
-                if let Some((name, _)) = &slices {
-                    out.errors.extend(slice_pool_name_problem(&prefix, name));
-                }
                 out.ranges.push(NadRange {
                     path: r.path,
                     network_name: cfg.network_name.clone(),
@@ -117,19 +116,6 @@ pub fn check_spec_config(config: &str) -> NadCheck {
         }
     }
     out
-}
-
-/// A NodeSlicePool is named after the network (`network_name`, else the config's `name`), so that
-/// name must be a valid object name once slices are on.
-fn slice_pool_name_problem(prefix: &str, name: &str) -> Option<Problem> {
-    let why = object_name_problem(name)?;
-    Some(Problem::with_value(
-        format!("{prefix}.node_slice_size"),
-        name,
-        format!(
-            "names the NodeSlicePool after the network (network_name, else the config's name), and {name:?} {why}: set a network_name that is a valid object name"
-        ),
-    ))
 }
 
 /// A problem as a person reads it: `spec.config: ipam.range "x" is not a CIDR ...`.

@@ -47,6 +47,9 @@ fn the_daemonset_installs_a_static_plugin_and_its_files_on_the_host() {
         std::fs::metadata(kubeconfig).unwrap().permissions().mode() & 0o777,
         0o600
     );
+    // The node's name, from the DaemonSet's spec.nodeName, where node slices look for it.
+    let nodename = std::fs::read_to_string("/etc/cni/net.d/whereabouts.d/nodename").unwrap();
+    assert_eq!(nodename.trim(), node().get("NODE_NAME"));
     let flat: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(conf).unwrap()).unwrap();
     assert_eq!(

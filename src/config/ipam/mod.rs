@@ -82,6 +82,32 @@ pub struct IpamConfig {
     pub agent_socket: Option<String>,
 }
 
+/// The NodeSlicePools of `cfg`'s sliced ranges are named after the network (`network_name`, else
+/// the network config's `name`), so that name must be a valid object name once slices are on. The
+/// plugin and the validator refuse such a config with the same words.
+pub fn node_slice_pool_problem(prefix: &str, conf_name: &str, cfg: &IpamConfig) -> Option<Problem> {
+    if cfg.ranges.iter().all(|r| r.node_slice.is_none()) {
+        return None;
+    }
+    let name = node_slice_base(conf_name, cfg);
+    let why = crate::ipam::naming::object_name_problem(&name)?;
+    Some(Problem::with_value(
+        format!("{prefix}.node_slice_size"),
+        &name,
+        format!(
+            "names the NodeSlicePool after the network (network_name, else the config's name), and {name:?} {why}: set a network_name that is a valid object name"
+        ),
+    ))
+}
+
+/// The NodeSlicePool base name: `network_name`, else the network config's `name` (upstream).
+pub fn node_slice_base(conf_name: &str, cfg: &IpamConfig) -> String {
+    match cfg.network_name.as_deref() {
+        Some(n) if !n.is_empty() => n.to_owned(),
+        _ => conf_name.to_owned(),
+    }
+}
+
 /// What is wrong with answering `cfg` in `cni_version`, if anything: 0.1.0 and 0.2.0 results hold
 /// one address per family (`ip4`, `ip6`), so a config that gives two of one family (two ranges,
 /// or a range and a static address) fails every ADD there, as upstream's does. The plugin checks
