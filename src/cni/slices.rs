@@ -22,6 +22,10 @@ use crate::store::{Datastore, StoreError, Write};
 /// joined) before it fails saying so.
 pub const SLICE_WAIT: Duration = Duration::from_secs(10);
 const SLICE_POLL: Duration = Duration::from_millis(250);
+/// How old a read of the NodeSlicePool may be to start an ADD or a DEL in the node agent (a
+/// burst of ADDs then costs one read, not one per ADD and range); a node that finds no slice of
+/// its own, or only full ones, reads again.
+const RECENT: Duration = Duration::from_secs(2);
 /// Lost races for a free slice before giving up (other nodes taking slices at the same moment).
 const SLICE_RACES: u32 = 20;
 
@@ -52,7 +56,10 @@ impl<'r> Sliced<'r> {
     /// The targets of this node's slices, in the NodeSlicePool's order; none when the pool does
     /// not exist or gives this node nothing.
     pub async fn targets<S: Datastore>(&self, store: &S) -> Result<Vec<Target>, CniError> {
-        let pool = store.get_node_slice_pool(&self.name).await.map_err(retry)?;
+        let pool = store
+            .get_node_slice_pool_recent(&self.name, RECENT)
+            .await
+            .map_err(retry)?;
         Ok(pool.map(|p| self.mine(&p)).unwrap_or_default())
     }
 
@@ -64,8 +71,13 @@ impl<'r> Sliced<'r> {
         wait: Duration,
     ) -> Result<Vec<Target>, CniError> {
         let until = Instant::now() + wait;
+        let mut max_age = RECENT;
         loop {
-            let pool = store.get_node_slice_pool(&self.name).await.map_err(retry)?;
+            let pool = store
+                .get_node_slice_pool_recent(&self.name, max_age)
+                .await
+                .map_err(retry)?;
+            max_age = Duration::ZERO;
             let mine = pool.as_ref().map(|p| self.mine(p)).unwrap_or_default();
             if !mine.is_empty() {
                 return Ok(mine);

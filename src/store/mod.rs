@@ -355,6 +355,18 @@ pub trait Datastore: Send + Sync {
         &self,
         name: &str,
     ) -> impl Future<Output = Result<Option<NodeSlicePool>>> + Send;
+    /// The NodeSlicePool as this store read it within `max_age`, else read now. A long-lived
+    /// store (the node agent's) answers a burst of ADDs from one read: assignments change
+    /// rarely, a miss is re-read fresh by the caller, and a fresh read or a write of this store
+    /// replaces what it remembers. Without memory, a plain read.
+    fn get_node_slice_pool_recent(
+        &self,
+        name: &str,
+        max_age: std::time::Duration,
+    ) -> impl Future<Output = Result<Option<NodeSlicePool>>> + Send {
+        let _ = max_age;
+        self.get_node_slice_pool(name)
+    }
     /// Replaces a NodeSlicePool if it is still at the resourceVersion in its metadata (a node
     /// taking a free slice); `Conflict` otherwise, `Missing` when it is gone.
     fn replace_node_slice_pool(

@@ -42,7 +42,15 @@ pub struct KubeStore {
     leases: Api<Lease>,
     pods: Api<Pod>,
     slices: Api<NodeSlicePool>,
+    /// NodeSlicePools as last read or written by this store, with when (see
+    /// [`Datastore::get_node_slice_pool_recent`]); shared by clones.
+    recent_slices: std::sync::Arc<std::sync::Mutex<RecentSlices>>,
+    /// One read of NodeSlicePools at a time: a burst of ADDs that find nothing recent waits for
+    /// one read instead of each making its own.
+    slice_reads: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
+
+type RecentSlices = HashMap<String, (std::time::Instant, Option<NodeSlicePool>)>;
 
 /// The Lease that is `pool`'s writer turn: `whereabouts-<pool>`, in the pool namespace. None when
 /// the name would be too long for an object name (that pool is then written without turns).
@@ -58,8 +66,21 @@ impl KubeStore {
             reservations: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
             slices: Api::namespaced(client.clone(), namespace),
+            recent_slices: Default::default(),
+            slice_reads: Default::default(),
             pods: Api::all(client),
         }
+    }
+}
+
+impl KubeStore {
+    /// Remembers a read of a NodeSlicePool (`Some`), or forgets it (`None`).
+    fn remember_slices(&self, name: &str, read: Option<Option<NodeSlicePool>>) {
+        let mut recent = self.recent_slices.lock().expect("not poisoned");
+        match read {
+            Some(pool) => recent.insert(name.to_owned(), (std::time::Instant::now(), pool)),
+            None => recent.remove(name),
+        };
     }
 }
 
@@ -371,9 +392,33 @@ impl Datastore for KubeStore {
     }
 
     async fn get_node_slice_pool(&self, name: &str) -> Result<Option<NodeSlicePool>> {
-        retrying(|| self.slices.get_opt(name))
+        let found = retrying(|| self.slices.get_opt(name))
             .await
-            .map_err(|e| error("get", format!("nodeslicepool {name}"), e))
+            .map_err(|e| error("get", format!("nodeslicepool {name}"), e))?;
+        self.remember_slices(name, Some(found.clone()));
+        Ok(found)
+    }
+
+    async fn get_node_slice_pool_recent(
+        &self,
+        name: &str,
+        max_age: std::time::Duration,
+    ) -> Result<Option<NodeSlicePool>> {
+        let recent = || {
+            let recent = self.recent_slices.lock().expect("not poisoned");
+            recent
+                .get(name)
+                .filter(|(at, _)| at.elapsed() <= max_age)
+                .map(|(_, pool)| pool.clone())
+        };
+        if let Some(pool) = recent() {
+            return Ok(pool);
+        }
+        let _one_read = self.slice_reads.lock().await;
+        match recent() {
+            Some(pool) => Ok(pool),
+            None => self.get_node_slice_pool(name).await,
+        }
     }
 
     async fn replace_node_slice_pool(&self, pool: &NodeSlicePool) -> Result<Write> {
@@ -381,6 +426,8 @@ impl Datastore for KubeStore {
         // The object carries the resourceVersion it was read at: a PUT is refused with 409 when
         // anyone wrote it since.
         let params = PostParams::default();
+        // Whatever happens, what this store remembers of it is no longer current.
+        self.remember_slices(&name, None);
         match retrying(|| self.slices.replace(&name, &params, pool)).await {
             Ok(_) => Ok(Write::Done),
             Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
