@@ -199,7 +199,8 @@ class Mode:
         self.dir.mkdir(parents=True)
         self.kubeconfig = self.dir / "kubeconfig"
         self.binary = Path(args.ours if self.spec["impl"] == "ours" else args.upstream)
-        self.ranges = [args.v4, args.v6]
+        # --v6 none: single-stack IPv4 (the only shape upstream's node slices support).
+        self.ranges = [args.v4] + ([args.v6] if args.v6 else [])
         self.nets = [ipaddress.ip_network(r, strict=False) for r in self.ranges]
         self.agents = {}  # node -> Popen
         self.operator = None
@@ -210,11 +211,12 @@ class Mode:
     # -- configs
 
     def ipam(self, node_dir=None):
-        ranges = [{"range": self.args.v4}, {"range": self.args.v6}]
+        ranges = [{"range": r} for r in self.ranges]
         ipam = {"type": "whereabouts", "network_name": self.args.network_name, "ipRanges": ranges}
         if self.spec["slices"]:
             ipam["node_slice_size"] = self.args.v4_slice
-            ranges[1]["node_slice_size"] = self.args.v6_slice
+            if len(ranges) > 1:
+                ranges[1]["node_slice_size"] = self.args.v6_slice
         if node_dir is not None:
             ipam.update({"configuration_path": str(node_dir / "whereabouts.conf"),
                          "log_level": "verbose", "log_file": str(node_dir / "plugin.log")})
@@ -875,7 +877,8 @@ def main():
                     help="concurrent ADDs per node (default 100)")
     ap.add_argument("--node-prefix", default="node-", help="Node names: PREFIX0..PREFIX<N-1>")
     ap.add_argument("--v4", default="10.40.0.0/16", help="the IPv4 range (default 10.40.0.0/16)")
-    ap.add_argument("--v6", default="fd00:10::/112", help="the IPv6 range (default fd00:10::/112)")
+    ap.add_argument("--v6", default="fd00:10::/112",
+                    help="the IPv6 range (default fd00:10::/112); 'none' for single-stack IPv4")
     ap.add_argument("--v4-slice", default="/24",
                     help="node_slice_size at the top level (the IPv4 range; default /24)")
     ap.add_argument("--v6-slice", default="/120",
@@ -930,6 +933,8 @@ def main():
     for p in sorted(need):
         if not os.access(p, os.X_OK):
             sys.exit(f"binary {p} not found or not executable (see bench/README.md)")
+    if args.v6.lower() in ("", "none"):
+        args.v6 = ""
     for flag, val in (("--v4-slice", args.v4_slice), ("--v6-slice", args.v6_slice)):
         if not re.fullmatch(r"/?\d+", val):
             sys.exit(f"{flag}: want a prefix length like /24, got {val!r}")
