@@ -259,12 +259,23 @@ fn each_node_allocates_dual_stack_from_its_own_slices_through_its_agent() {
                 "duplicate {a4} {a6}"
             );
         }
-        let lowest = results.iter().map(|r| r.addresses()[0].clone()).min_by_key(|a| {
-            a.split('/').next().unwrap().parse::<std::net::Ipv4Addr>().unwrap()
-        });
+        let lowest = results
+            .iter()
+            .map(|r| r.addresses()[0].clone())
+            .min_by_key(|a| {
+                a.split('/')
+                    .next()
+                    .unwrap()
+                    .parse::<std::net::Ipv4Addr>()
+                    .unwrap()
+            });
         let base: ipnet::Ipv4Net = v4[&node.name][0].parse().unwrap();
         let expected = std::net::Ipv4Addr::from(u32::from(base.network()) + 16);
-        assert_eq!(lowest.unwrap(), format!("{expected}/22"), "the first address after the exclude");
+        assert_eq!(
+            lowest.unwrap(),
+            format!("{expected}/22"),
+            "the first address after the exclude"
+        );
         // Upstream's slice pool: [network-]node-slice, offsets from the slice's network address.
         let slice = &v4[&node.name][0];
         let pool = format!("{net}-{}-{}", node.name, slice.replace([':', '/'], "-"));
