@@ -8,22 +8,21 @@
 
 pub mod audit;
 pub mod cleanup;
+mod loops;
 pub mod nads;
 pub mod pools;
 pub mod slices;
 pub mod usage;
+mod watches;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::Client;
-use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::crd::{
@@ -180,38 +179,22 @@ pub async fn run(
         slice_pools.clone(),
         nads.clone(),
     )));
-
-    let pod_events = pod_events(client.clone(), pods_w, jobs_tx.clone());
-    let pool_watch = logged_watch(
-        Api::<IPPool>::namespaced(client.clone(), &opts.pool_namespace),
-        pools_w,
-        "pool",
-    );
-    let res_watch = logged_watch(
-        Api::<OverlappingRangeIPReservation>::namespaced(client.clone(), &opts.pool_namespace),
-        res_w,
-        "reservation",
-    );
-
     // Node slices are planned again when a node comes or goes, their objects change, or after
     // every NAD pass.
     let slices_changed = Arc::new(Notify::new());
-    let node_watch = notifying_watch(
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .modify(trim_node)
-            .reflect(nodes_w),
-        "node",
-        slices_changed.clone(),
-    );
-    let slice_watch = notifying_watch(
-        watcher(
-            Api::<NodeSlicePool>::namespaced(client.clone(), &opts.pool_namespace),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .reflect(slices_w),
-        "nodeslicepool",
+    let writers = watches::Writers {
+        pods: pods_w,
+        pools: pools_w,
+        reservations: res_w,
+        nodes: nodes_w,
+        slice_pools: slices_w,
+    };
+    let namespace = opts.pool_namespace.clone();
+    let watches = watches::all(
+        client.clone(),
+        &namespace,
+        writers,
+        jobs_tx.clone(),
         slices_changed.clone(),
     );
 
@@ -234,11 +217,7 @@ pub async fn run(
         (nad_changed, slices_changed),
     );
     tokio::select! {
-        () = pod_events => tracing::error!("pod watch ended"),
-        () = pool_watch => tracing::error!("pool watch ended"),
-        () = res_watch => tracing::error!("reservation watch ended"),
-        () = node_watch => tracing::error!("node watch ended"),
-        () = slice_watch => tracing::error!("nodeslicepool watch ended"),
+        () = watches => {}
         _ = loops => {}
         _ = shutdown => tracing::info!("shutting down"),
     }
@@ -247,97 +226,6 @@ pub async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
     Ok(())
-}
-
-/// Watches every pod (trimmed to what cleanup needs) into the cache behind `writer`, and queues
-/// on `tx` the release of each pod that is deleted or has finished. Watch errors are logged and
-/// the watch goes on (the stream backs off and relists): a transient API failure must never stop
-/// the operator.
-fn pod_events(
-    client: Client,
-    writer: reflector::store::Writer<Pod>,
-    tx: mpsc::UnboundedSender<Job>,
-) -> impl std::future::Future<Output = ()> {
-    let pod_watch = watcher(Api::<Pod>::all(client), watcher::Config::default())
-        .default_backoff()
-        .modify(cleanup::trim)
-        .reflect(writer);
-    pod_watch.for_each(move |event| {
-        if let Some(job) = due_job(&event) {
-            let _ = tx.send(job);
-        }
-        futures::future::ready(())
-    })
-}
-
-/// The release a pod event makes due: a deleted pod's, or a finished one's.
-fn due_job(event: &Result<watcher::Event<Pod>, watcher::Error>) -> Option<Job> {
-    let due = match event {
-        Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
-        Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
-            cleanup::finished(p).map(|t| (p, t))
-        }
-        Ok(_) => None,
-        Err(e) => {
-            tracing::warn!(error = %e, "pod watch failed; retrying");
-            None
-        }
-    };
-    due.map(|(p, trigger)| Job {
-        pod: cleanup::identity(p),
-        trigger,
-        attempt: 0,
-    })
-}
-
-/// Watches `api` into the cache behind `writer`; errors are logged as `kind`'s and the watch
-/// goes on.
-fn logged_watch<K>(
-    api: Api<K>,
-    writer: reflector::store::Writer<K>,
-    kind: &'static str,
-) -> impl std::future::Future<Output = ()>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    watcher(api, watcher::Config::default())
-        .default_backoff()
-        .reflect(writer)
-        .for_each(move |e| log_watch_error(kind, e))
-}
-
-/// Only a node's name matters here: the rest of a Node object is dropped from the cache.
-fn trim_node(node: &mut Node) {
-    node.spec = None;
-    node.status = None;
-    node.metadata.managed_fields = None;
-    node.metadata.annotations = None;
-    node.metadata.labels = None;
-}
-
-/// Drives a reflected watch, logging its errors as `kind`'s and notifying `changed` on every
-/// change (a relist's events included).
-async fn notifying_watch<K, S>(stream: S, kind: &'static str, changed: Arc<Notify>)
-where
-    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
-{
-    stream
-        .for_each(|e| {
-            if matches!(
-                e,
-                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)
-            ) {
-                changed.notify_one();
-            }
-            log_watch_error(kind, e)
-        })
-        .await
 }
 
 /// The controllers' loops (pod cleanup, pool audit, NAD/pool reconciliation), started once the
@@ -351,9 +239,9 @@ async fn run_loops(
     caches_synced(ctx.clone(), health).await;
     tokio::join!(
         cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
-        audit_loop(ctx.clone()),
-        nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
-        slice_loop(ctx, slices_changed)
+        loops::audit_loop(ctx.clone()),
+        loops::nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
+        loops::slice_loop(ctx, slices_changed)
     );
 }
 
@@ -371,16 +259,6 @@ async fn caches_synced(ctx: Arc<Context>, health: Arc<Health>) {
     );
     health.caches_synced.store(true, Ordering::Relaxed);
     tracing::info!("caches synced");
-}
-
-fn log_watch_error<K>(
-    kind: &str,
-    event: Result<watcher::Event<K>, watcher::Error>,
-) -> futures::future::Ready<()> {
-    if let Err(e) = event {
-        tracing::warn!(error = %e, "{kind} watch failed; retrying");
-    }
-    futures::future::ready(())
 }
 
 type ElectionTask = tokio::task::JoinHandle<
@@ -501,90 +379,5 @@ async fn finish(
                 ..job
             });
         });
-    }
-}
-
-async fn audit_loop(ctx: Arc<Context>) {
-    let mut auditor = audit::Auditor::new();
-    // A short first period so that the second observation of a stale entry found at start-up comes
-    // as soon as the grace period allows.
-    let mut ticker = tokio::time::interval(
-        ctx.opts
-            .audit_interval
-            .min(ctx.opts.stale_grace.max(Duration::from_secs(1))),
-    );
-    let mut since_full = Duration::MAX;
-    loop {
-        ticker.tick().await;
-        since_full = since_full.saturating_add(ticker.period());
-        let suspects_pending = auditor.has_suspects();
-        if since_full < ctx.opts.audit_interval && !suspects_pending {
-            continue;
-        }
-        since_full = Duration::ZERO;
-        if !ctx.is_leader() {
-            continue;
-        }
-        let started = std::time::Instant::now();
-        match auditor.run_once(&ctx).await {
-            Ok(report) => {
-                ctx.metrics.set_audit(&report.stale, report.orphans);
-                if report.released > 0 || report.released_orphans > 0 {
-                    tracing::info!(?report, "audit released stale addresses");
-                }
-                ctx.metrics
-                    .observe_reconcile("audit", true, started.elapsed());
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "audit failed");
-                ctx.metrics.record_release_error("audit");
-                ctx.metrics
-                    .observe_reconcile("audit", false, started.elapsed());
-            }
-        }
-    }
-}
-
-async fn nad_loop(ctx: Arc<Context>, changed: Arc<Notify>, slices: Arc<Notify>) {
-    let mut reported = std::collections::HashMap::new();
-    loop {
-        if ctx.is_leader() {
-            let started = std::time::Instant::now();
-            let result = nads::reconcile(&ctx, &mut reported).await;
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "NAD reconcile failed");
-            }
-            ctx.metrics
-                .observe_reconcile("nad", result.is_ok(), started.elapsed());
-        }
-        slices.notify_one();
-        // NAD changes wake us; pools changing under us (or leadership changing) are caught by the
-        // periodic pass.
-        let _ = tokio::time::timeout(Duration::from_secs(30), changed.notified()).await;
-        tokio::time::sleep(Duration::from_millis(200)).await; // coalesce bursts of NAD events
-    }
-}
-
-/// Node slices, in a loop of their own: a cluster where nodes cannot be listed (RBAC of an older
-/// install) still gets its NADs' pools. Drained slices are noticed by the periodic pass.
-async fn slice_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
-    // Never planned from a partial list of nodes: that would free slices in use.
-    let _ = tokio::join!(
-        ctx.caches.nodes.wait_until_ready(),
-        ctx.caches.slice_pools.wait_until_ready()
-    );
-    let mut reported = std::collections::HashMap::new();
-    loop {
-        if ctx.is_leader() {
-            let started = std::time::Instant::now();
-            let result = slices::reconcile(&ctx, &mut reported).await;
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "node slice reconcile failed");
-            }
-            ctx.metrics
-                .observe_reconcile("slices", result.is_ok(), started.elapsed());
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(15), changed.notified()).await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

@@ -1,0 +1,174 @@
+//! The operator's watches: each kind into its reflector cache, pod events into cleanup jobs, Node
+//! and NodeSlicePool changes into a new slice plan. Watch errors are logged and the watch goes on
+//! (the stream backs off and relists): a transient API failure must never stop the operator.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
+use kube::api::Api;
+use kube::runtime::reflector;
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{Notify, mpsc};
+
+use super::Job;
+use super::cleanup::{self, Trigger};
+use crate::crd::{IPPool, NodeSlicePool, OverlappingRangeIPReservation};
+
+/// The writers of the caches the watches fill (the NAD cache is the webhook's, filled elsewhere).
+pub(super) struct Writers {
+    pub pods: reflector::store::Writer<Pod>,
+    pub pools: reflector::store::Writer<IPPool>,
+    pub reservations: reflector::store::Writer<OverlappingRangeIPReservation>,
+    pub nodes: reflector::store::Writer<Node>,
+    pub slice_pools: reflector::store::Writer<NodeSlicePool>,
+}
+
+/// Runs every watch; returns (after logging which) if one ever ends. Pod events queue cleanup
+/// jobs on `jobs`; Node and NodeSlicePool changes notify `slices_changed`.
+pub(super) async fn all(
+    client: Client,
+    namespace: &str,
+    w: Writers,
+    jobs: mpsc::UnboundedSender<Job>,
+    slices_changed: Arc<Notify>,
+) {
+    let pod_events = pod_events(client.clone(), w.pods, jobs);
+    let pool_watch = logged_watch(
+        Api::<IPPool>::namespaced(client.clone(), namespace),
+        w.pools,
+        "pool",
+    );
+    let res_watch = logged_watch(
+        Api::<OverlappingRangeIPReservation>::namespaced(client.clone(), namespace),
+        w.reservations,
+        "reservation",
+    );
+    let node_watch = notifying_watch(
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .modify(trim_node)
+            .reflect(w.nodes),
+        "node",
+        slices_changed.clone(),
+    );
+    let slice_watch = notifying_watch(
+        watcher(
+            Api::<NodeSlicePool>::namespaced(client, namespace),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(w.slice_pools),
+        "nodeslicepool",
+        slices_changed,
+    );
+    tokio::select! {
+        () = pod_events => tracing::error!("pod watch ended"),
+        () = pool_watch => tracing::error!("pool watch ended"),
+        () = res_watch => tracing::error!("reservation watch ended"),
+        () = node_watch => tracing::error!("node watch ended"),
+        () = slice_watch => tracing::error!("nodeslicepool watch ended"),
+    }
+}
+
+/// Watches every pod (trimmed to what cleanup needs) into the cache behind `writer`, and queues
+/// on `tx` the release of each pod that is deleted or has finished. Watch errors are logged and
+/// the watch goes on (the stream backs off and relists): a transient API failure must never stop
+/// the operator.
+fn pod_events(
+    client: Client,
+    writer: reflector::store::Writer<Pod>,
+    tx: mpsc::UnboundedSender<Job>,
+) -> impl std::future::Future<Output = ()> {
+    let pod_watch = watcher(Api::<Pod>::all(client), watcher::Config::default())
+        .default_backoff()
+        .modify(cleanup::trim)
+        .reflect(writer);
+    pod_watch.for_each(move |event| {
+        if let Some(job) = due_job(&event) {
+            let _ = tx.send(job);
+        }
+        futures::future::ready(())
+    })
+}
+
+/// The release a pod event makes due: a deleted pod's, or a finished one's.
+fn due_job(event: &Result<watcher::Event<Pod>, watcher::Error>) -> Option<Job> {
+    let due = match event {
+        Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
+        Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
+            cleanup::finished(p).map(|t| (p, t))
+        }
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "pod watch failed; retrying");
+            None
+        }
+    };
+    due.map(|(p, trigger)| Job {
+        pod: cleanup::identity(p),
+        trigger,
+        attempt: 0,
+    })
+}
+
+/// Watches `api` into the cache behind `writer`; errors are logged as `kind`'s and the watch
+/// goes on.
+fn logged_watch<K>(
+    api: Api<K>,
+    writer: reflector::store::Writer<K>,
+    kind: &'static str,
+) -> impl std::future::Future<Output = ()>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .for_each(move |e| log_watch_error(kind, e))
+}
+
+/// Only a node's name matters here: the rest of a Node object is dropped from the cache.
+fn trim_node(node: &mut Node) {
+    node.spec = None;
+    node.status = None;
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    node.metadata.labels = None;
+}
+
+/// Drives a reflected watch, logging its errors as `kind`'s and notifying `changed` on every
+/// change (a relist's events included).
+async fn notifying_watch<K, S>(stream: S, kind: &'static str, changed: Arc<Notify>)
+where
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    stream
+        .for_each(|e| {
+            if matches!(
+                e,
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)
+            ) {
+                changed.notify_one();
+            }
+            log_watch_error(kind, e)
+        })
+        .await
+}
+
+fn log_watch_error<K>(
+    kind: &str,
+    event: Result<watcher::Event<K>, watcher::Error>,
+) -> futures::future::Ready<()> {
+    if let Err(e) = event {
+        tracing::warn!(error = %e, "{kind} watch failed; retrying");
+    }
+    futures::future::ready(())
+}
