@@ -55,6 +55,33 @@ pub struct Caches {
     pub slice_pools: Store<NodeSlicePool>,
 }
 
+impl Caches {
+    /// Empty caches around the shared NAD cache, and the writers the watches fill them through.
+    fn new(nads: Store<NetworkAttachmentDefinition>) -> (Caches, watches::Writers) {
+        let (pods, pods_w) = reflector::store::<Pod>();
+        let (pools, pools_w) = reflector::store::<IPPool>();
+        let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
+        let (nodes, nodes_w) = reflector::store::<Node>();
+        let (slice_pools, slices_w) = reflector::store::<NodeSlicePool>();
+        let caches = Caches {
+            pods,
+            nads,
+            pools,
+            reservations,
+            nodes,
+            slice_pools,
+        };
+        let writers = watches::Writers {
+            pods: pods_w,
+            pools: pools_w,
+            reservations: res_w,
+            nodes: nodes_w,
+            slice_pools: slices_w,
+        };
+        (caches, writers)
+    }
+}
+
 pub struct Context {
     pub client: Client,
     pub store: KubeStore,
@@ -168,27 +195,16 @@ pub async fn run(
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let (pods, pods_w) = reflector::store::<Pod>();
-    let (pools, pools_w) = reflector::store::<IPPool>();
-    let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
-    let (nodes, nodes_w) = reflector::store::<Node>();
-    let (slice_pools, slices_w) = reflector::store::<NodeSlicePool>();
+    let (caches, writers) = Caches::new(nads);
     let (jobs_tx, jobs_rx) = mpsc::unbounded_channel::<Job>();
     metrics.register_collector(Box::new(usage::UsageCollector::new(
-        pools.clone(),
-        slice_pools.clone(),
-        nads.clone(),
+        caches.pools.clone(),
+        caches.slice_pools.clone(),
+        caches.nads.clone(),
     )));
     // Node slices are planned again when a node comes or goes, their objects change, or after
     // every NAD pass.
     let slices_changed = Arc::new(Notify::new());
-    let writers = watches::Writers {
-        pods: pods_w,
-        pools: pools_w,
-        reservations: res_w,
-        nodes: nodes_w,
-        slice_pools: slices_w,
-    };
     let namespace = opts.pool_namespace.clone();
     let watches = watches::all(
         client.clone(),
@@ -200,14 +216,6 @@ pub async fn run(
 
     let (leader, election) = elect(&client, &opts, &metrics).await?;
     health.election_running.store(true, Ordering::Relaxed);
-    let caches = Caches {
-        pods,
-        nads,
-        pools,
-        reservations,
-        nodes,
-        slice_pools,
-    };
     let ctx = Arc::new(Context::new(client, opts, caches, leader, metrics));
 
     let loops = run_loops(
