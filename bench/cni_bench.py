@@ -222,17 +222,9 @@ class Scenario:
                         f"K8S_POD_UID=00000000-0000-0000-0000-{i:012d}",
             **self.impl["env"],
         }
-        out = open(self.dir / f"{i}.out", "wb")
-        err = open(self.dir / f"{i}.err", "wb")
-        inp = open(self.netconf, "rb")
-        try:
-            p = subprocess.Popen([str(self.impl["binary"])], stdin=inp, stdout=out, stderr=err,
-                                 env=env)
-            LIVE.add(p)
-        finally:
-            inp.close()
-            out.close()
-            err.close()
+        p = spawn_plugin(self.impl["binary"], env, self.netconf,
+                         self.dir / f"{i}.out", self.dir / f"{i}.err")
+        LIVE.add(p)
         return p
 
     def outcome(self, i, rc, timed_out):
@@ -468,6 +460,20 @@ def server_cas_retries(d):
 
 CLUSTER_PIDS = {}  # component -> pid, when we know the control plane's pid files
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def spawn_plugin(binary, env, stdin_path, out_path, err_path):
+    """Starts one plugin process with `stdin_path` on its stdin and its stdout and stderr in
+    files; the parent keeps no file open."""
+    out = open(out_path, "wb")
+    err = open(err_path, "wb")
+    inp = open(stdin_path, "rb")
+    try:
+        return subprocess.Popen([str(binary)], stdin=inp, stdout=out, stderr=err, env=env)
+    finally:
+        inp.close()
+        out.close()
+        err.close()
 
 
 def proc_cpu(pid):

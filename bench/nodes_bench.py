@@ -449,16 +449,8 @@ class Mode:
                         f"K8S_POD_UID={uid}",
             "NODENAME": node,
         }
-        out = open(d / f"{i}.out", "wb")
-        err = open(d / f"{i}.err", "wb")
-        inp = open(d / "netconf.json", "rb")
-        try:
-            p = subprocess.Popen([str(self.binary)], stdin=inp, stdout=out, stderr=err, env=env)
-            LIVE.add(p)
-        finally:
-            inp.close()
-            out.close()
-            err.close()
+        p = cb.spawn_plugin(self.binary, env, d / "netconf.json", d / f"{i}.out", d / f"{i}.err")
+        LIVE.add(p)
         return p
 
     def run(self, per_node, timeout, min_free_mb):

@@ -20,9 +20,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
-use kube::Client;
+use kube::api::{Api, DeleteParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
+use kube::{Client, Resource};
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::crd::{
@@ -164,6 +165,27 @@ impl Context {
             ..Default::default()
         };
         self.event(&about, warning, reason, note).await;
+    }
+}
+
+/// Deletes `object` only if it is still at the resourceVersion this controller saw (a writer that
+/// changed it since wins). True when it was deleted, false when it changed or was gone.
+pub(crate) async fn delete_unchanged<K>(api: &Api<K>, object: &K) -> Result<bool, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: object.meta().resource_version.clone(),
+            uid: None,
+        }),
+        ..Default::default()
+    };
+    let name = object.meta().name.clone().unwrap_or_default();
+    match api.delete(&name, &params).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(false),
+        Err(e) => Err(e),
     }
 }
 

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use super::Context;
@@ -149,21 +149,11 @@ async fn retire(api: &Api<IPPool>, name: &str, pool: &IPPool) -> Result<usize, k
         );
         return Ok(0);
     }
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            resource_version: pool.meta().resource_version.clone(),
-            uid: None,
-        }),
-        ..Default::default()
-    };
-    match api.delete(name, &params).await {
-        Ok(_) => {
-            tracing::info!(pool = name, "deleted an unused empty pool");
-            Ok(1)
-        }
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(0),
-        Err(e) => Err(e),
+    if !super::delete_unchanged(api, pool).await? {
+        return Ok(0);
     }
+    tracing::info!(pool = name, "deleted an unused empty pool");
+    Ok(1)
 }
 
 pub(super) fn nad_reference(nad: &str) -> ObjectReference {

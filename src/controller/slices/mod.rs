@@ -17,8 +17,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams, Preconditions};
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
+use kube::api::{Api, ObjectMeta, PostParams};
 
 use super::Context;
 use crate::config::NodeSlice;
@@ -255,33 +255,18 @@ async fn retire(
     live: &BTreeSet<String>,
 ) -> Result<usize, kube::Error> {
     let ours = pool.labels().get(MANAGED_LABEL).map(String::as_str) == Some(MANAGER);
-    let name = pool.name_any();
+    // A slice pool is `[<network>-]<node>-<slice>`; the NodeSlicePool does not say whether its
+    // network is named, so either form counts.
     let in_use = pool.status.iter().flat_map(|s| &s.allocations).any(|a| {
+        let bare = format!("{}-{}", a.node_name, a.slice_range.replace([':', '/'], "-"));
         !a.node_name.is_empty()
-            && live.iter().any(|p| {
-                p.contains(&format!(
-                    "{}-{}",
-                    a.node_name,
-                    a.slice_range.replace([':', '/'], "-")
-                ))
-            })
+            && live
+                .iter()
+                .any(|p| *p == bare || p.ends_with(&format!("-{bare}")))
     });
-    if !ours || in_use {
+    if !ours || in_use || !super::delete_unchanged(api, pool).await? {
         return Ok(0);
     }
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            resource_version: pool.meta().resource_version.clone(),
-            uid: None,
-        }),
-        ..Default::default()
-    };
-    match api.delete(&name, &params).await {
-        Ok(_) => {
-            tracing::info!(nodeslicepool = name, "deleted a NodeSlicePool no NAD uses");
-            Ok(1)
-        }
-        Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Ok(0),
-        Err(e) => Err(e),
-    }
+    tracing::info!(nodeslicepool = %pool.name_any(), "deleted a NodeSlicePool no NAD uses");
+    Ok(1)
 }
