@@ -2,14 +2,15 @@
 //! and NodeSlicePool changes into a new slice plan. Watch errors are logged and the watch goes on
 //! (the stream backs off and relists): a transient API failure must never stop the operator.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::Client;
 use kube::api::Api;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 use tokio::sync::{Notify, mpsc};
 
 use super::Job;
@@ -52,6 +53,7 @@ pub(super) async fn all(
             .reflect(w.nodes),
         "node",
         slices_changed.clone(),
+        node_set_changes(),
     );
     let slice_watch = notifying_watch(
         watcher(
@@ -62,6 +64,7 @@ pub(super) async fn all(
         .reflect(w.slice_pools),
         "nodeslicepool",
         slices_changed,
+        any_change,
     );
     tokio::select! {
         () = pod_events => tracing::error!("pod watch ended"),
@@ -144,23 +147,54 @@ fn trim_node(node: &mut Node) {
     node.metadata.labels = None;
 }
 
-/// Drives a reflected watch, logging its errors as `kind`'s and notifying `changed` on every
-/// change (a relist's events included).
-async fn notifying_watch<K, S>(stream: S, kind: &'static str, changed: Arc<Notify>)
-where
+/// Drives a reflected watch, logging its errors as `kind`'s and notifying `changed` on the
+/// events `wanted` picks.
+async fn notifying_watch<K, S>(
+    stream: S,
+    kind: &'static str,
+    changed: Arc<Notify>,
+    mut wanted: impl FnMut(&watcher::Event<K>) -> bool,
+) where
     S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
     stream
         .for_each(|e| {
-            if matches!(
-                e,
-                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)
-            ) {
+            if e.as_ref().is_ok_and(&mut wanted) {
                 changed.notify_one();
             }
             log_watch_error(kind, e)
         })
         .await
+}
+
+/// Every change of an object, and the end of a (re)list.
+fn any_change<K>(e: &watcher::Event<K>) -> bool {
+    matches!(
+        e,
+        watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone
+    )
+}
+
+/// A node that joins or leaves, and the end of a (re)list, but not the status updates every node
+/// sends all the time: with thousands of nodes those would re-plan the slices without pause.
+fn node_set_changes() -> impl FnMut(&watcher::Event<Node>) -> bool {
+    let mut names = HashSet::new();
+    move |e| match e {
+        watcher::Event::Apply(n) => names.insert(n.name_any()),
+        watcher::Event::InitApply(n) => {
+            names.insert(n.name_any());
+            false
+        }
+        watcher::Event::Delete(n) => {
+            names.remove(&n.name_any());
+            true
+        }
+        watcher::Event::Init => {
+            names.clear();
+            false
+        }
+        watcher::Event::InitDone => true,
+    }
 }
 
 fn log_watch_error<K>(
@@ -171,4 +205,31 @@ fn log_watch_error<K>(
         tracing::warn!(error = %e, "{kind} watch failed; retrying");
     }
     futures::future::ready(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some(name.into());
+        n
+    }
+
+    #[test]
+    fn only_joining_and_leaving_nodes_re_plan_slices() {
+        let mut wanted = node_set_changes();
+        assert!(!wanted(&watcher::Event::Init));
+        assert!(!wanted(&watcher::Event::InitApply(node("a"))));
+        assert!(wanted(&watcher::Event::InitDone));
+        assert!(
+            !wanted(&watcher::Event::Apply(node("a"))),
+            "a status update"
+        );
+        assert!(wanted(&watcher::Event::Apply(node("b"))), "a new node");
+        assert!(!wanted(&watcher::Event::Apply(node("b"))));
+        assert!(wanted(&watcher::Event::Delete(node("a"))));
+        assert!(wanted(&watcher::Event::Apply(node("a"))), "back again");
+    }
 }
