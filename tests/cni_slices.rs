@@ -339,3 +339,50 @@ fn the_node_name_must_be_usable_in_object_names() {
             .is_none()
     );
 }
+
+#[tokio::test]
+async fn check_finds_the_entry_in_whichever_slice_holds_it_and_names_that_pool() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.2.0.0/28", "node_slice_size": "30"});
+    store.put_node_slice_pool(slice_pool(
+        "net",
+        "10.2.0.0/28",
+        "30",
+        &[
+            ("10.2.0.0/30", "n1"),
+            ("10.2.0.4/30", ""),
+            ("10.2.0.8/30", ""),
+        ],
+    ));
+    for c in ["c0", "c1", "c2"] {
+        add(&store, &ipam, "n1", c).await.unwrap();
+    }
+    let check = |prev: &str, c: &str| {
+        let mut req = request(Command::Check, &ipam, "n1", c).unwrap();
+        req.conf.value["prevResult"] = json!({"ips": [{"address": prev}]});
+        req
+    };
+    // c2 got the second slice's first address.
+    whereabouts::cni::handle(&store, &check("10.2.0.5/28", "c2"))
+        .await
+        .unwrap();
+    let e = whereabouts::cni::handle(&store, &check("10.2.0.9/28", "c2"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, Code::CheckMismatch);
+    assert!(
+        e.msg
+            .starts_with("pool n1-10.2.0.4-30 holds 10.2.0.5 for this attachment"),
+        "{}",
+        e.msg
+    );
+    let e = whereabouts::cni::handle(&store, &check("10.2.0.5/28", "c9"))
+        .await
+        .unwrap_err();
+    assert!(
+        e.msg
+            .starts_with("pool n1-10.2.0.0-30, n1-10.2.0.4-30 holds no address for container c9"),
+        "{}",
+        e.msg
+    );
+}

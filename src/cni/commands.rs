@@ -281,37 +281,54 @@ async fn check<S: Datastore>(store: &S, req: &Request) -> Result<(), CniError> {
         .map(|n| n.addr())
         .collect();
     let mismatch = |msg: String| CniError::new(Code::CheckMismatch, msg);
-    for (i, range) in req.ipam.ranges.iter().enumerate() {
-        let mut held = None;
-        for target in held_targets(store, req, i).await? {
-            let pool = store
-                .get_pool(&target.pool)
-                .await
-                .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
-            held = held.or_else(|| {
-                let (offset, _) = pool.as_ref()?.allocations.iter().find(|(_, e)| {
-                    e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
-                })?;
-                target.range.addr_at(*offset)
-            });
-        }
+    for i in 0..req.targets.len() {
+        let targets = held_targets(store, req, i).await?;
+        let (pool, held) = held_in(store, req, &targets).await?;
         match held {
             None => {
                 return Err(mismatch(format!(
-                    "pool {} holds no address for container {} interface {}",
-                    range.pool_name, req.attachment.container_id, req.attachment.ifname
+                    "pool {pool} holds no address for container {} interface {}",
+                    req.attachment.container_id, req.attachment.ifname
                 )));
             }
             Some(ip) if !prev.contains(&ip) => {
                 return Err(mismatch(format!(
-                    "pool {} holds {ip} for this attachment, prevResult has {prev:?}",
-                    range.pool_name
+                    "pool {pool} holds {ip} for this attachment, prevResult has {prev:?}"
                 )));
             }
             Some(_) => {}
         }
     }
     Ok(())
+}
+
+/// The first of `targets` whose pool holds this attachment's entry, and its address; or, when
+/// none does, the pools looked in (a sliced range: every slice of this node, read one at a time).
+async fn held_in<S: Datastore>(
+    store: &S,
+    req: &Request,
+    targets: &[Target],
+) -> Result<(String, Option<IpAddr>), CniError> {
+    for target in targets {
+        let pool = store
+            .get_pool(&target.pool)
+            .await
+            .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
+        let entry = pool.as_ref().and_then(|p| {
+            p.allocations.iter().find(|(_, e)| {
+                e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
+            })
+        });
+        if let Some(ip) = entry.and_then(|(offset, _)| target.range.addr_at(*offset)) {
+            return Ok((target.pool.clone(), Some(ip)));
+        }
+    }
+    let looked: Vec<&str> = targets.iter().map(|t| t.pool.as_str()).collect();
+    let looked = match looked.as_slice() {
+        [] => "(none: this node holds no slice of the range)".to_owned(),
+        pools => pools.join(", "),
+    };
+    Ok((looked, None))
 }
 
 /// CNI 1.1 GC: releases entries of this network's pools whose attachment is not in
