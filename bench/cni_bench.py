@@ -269,13 +269,7 @@ class Scenario:
                 seen.setdefault(ip, []).append(r["podref"])
         dup_results = sum(len(v) - 1 for v in seen.values() if len(v) > 1)
 
-        pools = self.kube.json("get", "ippools.whereabouts.cni.cncf.io", "-n", self.ns)["items"]
-        in_pool = {}
-        for pool in pools:
-            net = ipaddress.ip_network(pool["spec"]["range"], strict=False)
-            for off, alloc in (pool["spec"].get("allocations") or {}).items():
-                ip = str(net.network_address + int(off))
-                in_pool.setdefault(ip, []).append(alloc.get("podref"))
+        pools, in_pool = pool_owners(self.kube, self.ns)
         dup_pool = sum(len(v) - 1 for v in in_pool.values() if len(v) > 1)
 
         missing = 0
@@ -460,6 +454,17 @@ def server_cas_retries(d):
 
 CLUSTER_PIDS = {}  # component -> pid, when we know the control plane's pid files
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def pool_owners(kube, ns):
+    """The namespace's IPPools, and every address they record with the podrefs recording it."""
+    pools = kube.json("get", "ippools.whereabouts.cni.cncf.io", "-n", ns)["items"]
+    owners = {}
+    for pool in pools:
+        net = ipaddress.ip_network(pool["spec"]["range"], strict=False)
+        for off, alloc in (pool["spec"].get("allocations") or {}).items():
+            owners.setdefault(str(net.network_address + int(off)), []).append(alloc.get("podref"))
+    return pools, owners
 
 
 def spawn_plugin(binary, env, stdin_path, out_path, err_path):

@@ -563,13 +563,7 @@ class Mode:
         dup_results = sum(len(set(v)) - 1 for v in returned.values())
         repeated_results = sum(len(v) - len(set(v)) for v in returned.values())
 
-        pools = self.kube.json("get", "ippools.whereabouts.cni.cncf.io", "-n", self.ns)["items"]
-        in_pool = {}
-        for pool in pools:
-            net = ipaddress.ip_network(pool["spec"]["range"], strict=False)
-            for off, alloc in (pool["spec"].get("allocations") or {}).items():
-                ip = str(net.network_address + int(off))
-                in_pool.setdefault(ip, []).append(alloc.get("podref"))
+        pools, in_pool = cb.pool_owners(self.kube, self.ns)
         dup_pool = sum(len(set(v)) - 1 for v in in_pool.values())
         repeated_pool = sum(len(v) - len(set(v)) for v in in_pool.values())
         missing = sum(1 for ip, refs in returned.items() for ref in refs
