@@ -41,7 +41,7 @@ images:
 
 crds:
 	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
-	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml config/crd/
+	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml crds/ipamclaims.yaml config/crd/
 
 build:
 	$(CARGO) build --bins

@@ -61,8 +61,9 @@ pub struct PodIdentity {
 }
 
 /// True when `entry` (holding `ip`) belongs to `pod`.
+/// A held entry (see [`IPAllocation::is_held`]) belongs to its holder, never to a pod.
 pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
-    if entry.podref != pod.podref {
+    if entry.podref != pod.podref || entry.is_held() {
         return false;
     }
     if entry.poduid.is_empty() {
@@ -110,8 +111,13 @@ pub fn is_superseded(
 
 /// True when no living pod owns `entry`: no pod of that name exists, or the one that exists has
 /// another UID than the one recorded. An entry without a UID whose pod name exists is never stale
-/// (it may be the same pod).
+/// (it may be the same pod). A held entry is never stale by its pod (see [`is_pod_gone`]).
 pub fn is_stale(entry: &IPAllocation, live: &HashMap<String, String>) -> bool {
+    !entry.is_held() && is_pod_gone(entry, live)
+}
+
+/// True when the pod `entry` records is gone: no pod of that name, or one with another UID.
+pub fn is_pod_gone(entry: &IPAllocation, live: &HashMap<String, String>) -> bool {
     match live.get(&entry.podref) {
         None => true,
         Some(uid) => !entry.poduid.is_empty() && *uid != entry.poduid,
@@ -177,6 +183,29 @@ mod tests {
             !belongs_to(&entry("ns/p", ""), "10.244.0.5".parse().unwrap(), &pod),
             "default network addresses are not ours"
         );
+    }
+
+    #[test]
+    fn held_entries_are_never_a_pods() {
+        let live = HashMap::new();
+        let claimed = IPAllocation {
+            ipamclaimref: "vms/vm1.net".into(),
+            ..entry("ns/gone", "x")
+        };
+        let sticky = IPAllocation {
+            statefulset: "web".into(),
+            ..entry("ns/web-0", "x")
+        };
+        for held in [&claimed, &sticky] {
+            assert!(!is_stale(held, &live));
+            assert!(is_pod_gone(held, &live));
+            let pod = PodIdentity {
+                podref: held.podref.clone(),
+                uid: "x".into(),
+                addresses: vec![],
+            };
+            assert!(!belongs_to(held, "10.0.0.5".parse().unwrap(), &pod));
+        }
     }
 
     #[test]

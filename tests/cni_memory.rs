@@ -838,6 +838,7 @@ fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Attachment {
         ifname: "net1".into(),
         podref: format!("ns/{pod}"),
         pod_uid: String::new(),
+        holder: Default::default(),
     }
 }
 
@@ -976,7 +977,7 @@ async fn fill_pool_object(store: &MemoryStore) -> u128 {
         podref: format!("tenant-namespace/app-deployment-7d9f8c6b5-{o:06}"),
         ifname: "net1".into(),
         poduid: format!("5f0c6a2e-1d3b-4c1e-9a4f-{o:012}"),
-        ipamclaimref: String::new(),
+        ..Default::default()
     };
     // Fill to just under the budget, then pad with one entry so that the new ADD's entry is one
     // byte too many.
@@ -1004,7 +1005,7 @@ async fn fill_pool_object(store: &MemoryStore) -> u128 {
         podref: "ns/new".into(),
         ifname: "net1".into(),
         poduid: "uid-new".into(),
-        ipamclaimref: String::new(),
+        ..Default::default()
     };
     // The plugin counts the widest offset of the range (65,536 addresses) for the new entry.
     let room = POOL_OBJECT_BUDGET - pool_bytes().await - entry_bytes(65_536, &new_entry) + 1;

@@ -398,3 +398,47 @@ fn a_window_larger_than_one_pool_object_holds_is_warned_about() {
     // Still a warning only: the config is valid.
     assert!(errors(json!({"type": "whereabouts", "range": "10.0.0.0/8"})).is_empty());
 }
+
+#[test]
+fn addresses_that_stay_are_configured_and_checked() {
+    let c = check(
+        json!({"range": "10.0.0.0/24", "sticky_statefulset": true, "allowPersistentIPs": true}),
+    )
+    .config
+    .unwrap();
+    assert!(c.sticky_statefulset && c.allow_persistent_ips);
+    let c = check(json!({"range": "10.0.0.0/24"})).config.unwrap();
+    assert!(!c.sticky_statefulset && !c.allow_persistent_ips);
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "sticky_statefulset": "yes"})),
+        [r#"ipam.sticky_statefulset "yes" must be true or false"#]
+    );
+    // Static addresses are not reserved: one inside the network's own window is warned about.
+    let w = warnings(
+        json!({"ipRanges": [{"range": "10.0.0.0/24", "exclude": ["10.0.0.0/28"]}],
+        "addresses": [{"address": "10.0.0.5/24"}, {"address": "10.0.0.50/24"}, {"address": "192.168.0.5/24"}]}),
+    );
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].starts_with(r#"ipam.addresses[1].address "10.0.0.50/24" is inside the allocatable window of ipam.ipRanges[0] (10.0.0.0/24)"#),
+        "{w:?}"
+    );
+}
+
+#[test]
+fn allow_persistent_ips_at_the_top_level_must_be_a_boolean() {
+    let nad = |v: Value| {
+        let config = json!({"cniVersion": "1.0.0", "name": "n", "type": "macvlan", "allowPersistentIPs": v,
+            "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
+        whereabouts::nad_check::check_spec_config(&config.to_string())
+            .errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert!(nad(json!(true)).is_empty());
+    assert_eq!(
+        nad(json!("true")),
+        [r#"allowPersistentIPs "true" must be true or false"#]
+    );
+}

@@ -50,6 +50,8 @@ fn context_with(
         reservations: res_store,
         nodes: reflector::store().0,
         slice_pools: reflector::store().0,
+        statefulsets: reflector::store().0,
+        claims: reflector::store().0,
     };
     let opts = Options {
         pool_namespace: "kube-system".into(),

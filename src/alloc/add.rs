@@ -12,12 +12,12 @@ use crate::retry::{LOST_RACE, MAX_CONFLICTS};
 use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
 
 /// One try at an address.
-struct Attempt {
-    offset: u128,
+pub(super) struct Attempt {
+    pub(super) offset: u128,
     /// The reservation's UID when the address is already claimed for this attachment.
-    claimed: Option<String>,
+    pub(super) claimed: Option<String>,
     /// Whether a lost claim is read back to tell a race from a steady reservation.
-    verify: bool,
+    pub(super) verify: bool,
 }
 
 /// What one allocation has learnt over its attempts.
@@ -84,7 +84,7 @@ impl<S: Datastore> Engine<'_, S> {
                 Some(pool) => pool,
                 None => self.ensure_pool(conflicts == 0).await?,
             };
-            if let Some((offset, entry)) = pool.entry_of(&who.podref, &who.ifname) {
+            if let Some((offset, entry)) = who.held_entry(&pool) {
                 match self.reuse(&pool, offset, entry, who).await? {
                     Some(ip) => return Ok(Allocated { ip, conflicts }),
                     None => progress.conflicts += 1,
@@ -198,7 +198,7 @@ impl<S: Datastore> Engine<'_, S> {
 
     /// Claims the attempt's address and records it in the pool: `Ok(Ok(ip))`, or `Ok(Err(claim))`
     /// saying how the address was lost.
-    async fn claim_and_record(
+    pub(super) async fn claim_and_record(
         &self,
         pool: &Pool,
         attempt: Attempt,
@@ -300,7 +300,7 @@ impl<S: Datastore> Engine<'_, S> {
     /// container and pod UID: a StatefulSet pod recreated under the same name gets its address
     /// back, and the operator then sees the new pod's UID on it. `None` when the entry must not
     /// be reused.
-    async fn reuse(
+    pub(super) async fn reuse(
         &self,
         pool: &Pool,
         offset: u128,

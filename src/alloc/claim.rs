@@ -60,7 +60,7 @@ impl<S: Datastore> Engine<'_, S> {
                 return Ok(Claim::Lost);
             }
             match self.store.get_reservation(&name).await? {
-                Some(r) if r.spec.podref == who.podref && r.spec.ifname == who.ifname => {
+                Some(r) if who.may_take_over(&r.spec) => {
                     return self.take_over(&name, &r, who).await;
                 }
                 Some(r) if r.is_recent() => return Ok(Claim::Race),
@@ -144,6 +144,7 @@ impl<S: Datastore> Engine<'_, S> {
                     ifname: c.spec.ifname,
                     poduid: c.spec.poduid,
                     ipamclaimref: c.spec.ipamclaimref,
+                    statefulset: c.spec.statefulset,
                 };
                 let pending = Some(offset) != own && !pool.allocations.contains_key(&offset);
                 pending.then_some(PendingClaim {

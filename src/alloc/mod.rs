@@ -33,6 +33,7 @@
 //! | file | concern |
 //! |------|---------|
 //! | [`add`] | one ADD's address: pick, claim, record, reuse |
+//! | [`exact`] | a requested address: that one, or why not |
 //! | [`claim`] | reservations: claim, unclaim, the claims still waiting for their entry |
 //! | [`turn`] | the pool's writer turn and the group-commit writes made in it |
 //! | [`release`] | one DEL's entries, and removing many entries in one write |
@@ -41,6 +42,7 @@
 
 pub mod add;
 pub mod claim;
+pub mod exact;
 pub mod group;
 pub mod pool;
 pub mod release;
@@ -96,11 +98,55 @@ pub struct Attachment {
     /// `<namespace>/<name>`; empty when the runtime did not pass the pod (DEL may omit it).
     pub podref: String,
     pub pod_uid: String,
+    /// What keeps the address past this pod, if anything.
+    pub holder: Holder,
+}
+
+/// What holds an address beyond the pod it was given to. A held entry is not released by DEL,
+/// CNI GC or the operator's pod cleanup; the operator frees it when its holder goes away.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Holder {
+    /// Nothing: the address lives and dies with the attachment.
+    #[default]
+    Pod,
+    /// The StatefulSet (its name) whose pod this is, on a `sticky_statefulset` network: the
+    /// ordinal keeps the address while the StatefulSet has it.
+    StatefulSet(String),
+    /// An IPAMClaim, `<namespace>/<name>`: every pod that refers to it gets its address.
+    Claim(String),
+}
+
+impl Holder {
+    /// The holder an entry records.
+    pub fn of(entry: &IPAllocation) -> Holder {
+        if !entry.ipamclaimref.is_empty() {
+            Holder::Claim(entry.ipamclaimref.clone())
+        } else if !entry.statefulset.is_empty() {
+            Holder::StatefulSet(entry.statefulset.clone())
+        } else {
+            Holder::Pod
+        }
+    }
+
+    fn claim_ref(&self) -> String {
+        match self {
+            Holder::Claim(claim) => claim.clone(),
+            _ => String::new(),
+        }
+    }
+
+    fn statefulset(&self) -> String {
+        match self {
+            Holder::StatefulSet(name) => name.clone(),
+            _ => String::new(),
+        }
+    }
 }
 
 impl Attachment {
     /// The entries a DEL of this attachment releases: its container's on its interface (an
-    /// entry without an interface name, as very old upstream versions wrote, counts as its own).
+    /// entry without an interface name, as very old upstream versions wrote, counts as its own),
+    /// unless something else holds them.
     pub fn entries_in<'p>(
         &self,
         pool: &'p Pool,
@@ -108,9 +154,31 @@ impl Attachment {
         pool.allocations
             .iter()
             .filter(|(_, e)| {
-                e.id == self.container_id && (e.ifname == self.ifname || e.ifname.is_empty())
+                e.id == self.container_id
+                    && (e.ifname == self.ifname || e.ifname.is_empty())
+                    && !e.is_held()
             })
             .map(|(o, e)| (*o, e))
+    }
+
+    /// The entry this attachment already holds in `pool`, which an ADD returns again: its
+    /// claim's, else its pod interface's.
+    pub fn held_entry<'p>(&self, pool: &'p Pool) -> Option<(u128, &'p IPAllocation)> {
+        match &self.holder {
+            Holder::Claim(claim) => pool
+                .allocations
+                .iter()
+                .find(|(_, e)| e.ipamclaimref == *claim)
+                .map(|(o, e)| (*o, e)),
+            _ => pool.entry_of(&self.podref, &self.ifname),
+        }
+    }
+
+    /// Whether a reservation written for `spec` is this attachment's to take over: the same pod
+    /// interface (a new container of it), or the same claim (another pod of it).
+    pub fn may_take_over(&self, spec: &OverlappingRangeIPReservationSpec) -> bool {
+        let same_claim = matches!(&self.holder, Holder::Claim(c) if *c == spec.ipamclaimref);
+        same_claim || (spec.podref == self.podref && spec.ifname == self.ifname)
     }
 
     /// The pool entry recording this attachment.
@@ -120,7 +188,8 @@ impl Attachment {
             podref: self.podref.clone(),
             ifname: self.ifname.clone(),
             poduid: self.pod_uid.clone(),
-            ipamclaimref: String::new(),
+            ipamclaimref: self.holder.claim_ref(),
+            statefulset: self.holder.statefulset(),
         }
     }
 
@@ -130,7 +199,8 @@ impl Attachment {
             podref: self.podref.clone(),
             ifname: self.ifname.clone(),
             poduid: self.pod_uid.clone(),
-            ipamclaimref: String::new(),
+            ipamclaimref: self.holder.claim_ref(),
+            statefulset: self.holder.statefulset(),
         }
     }
 }
@@ -170,6 +240,9 @@ pub enum AllocError {
         bytes: usize,
         budget: usize,
     },
+    /// A requested address that cannot be given: outside the window, excluded, or held.
+    #[error("requested address {ip} {why}")]
+    Unavailable { ip: IpAddr, why: String },
     #[error("pool {pool}: gave up after {attempts} lost races for an address")]
     TooManyConflicts { pool: String, attempts: u32 },
     #[error(transparent)]

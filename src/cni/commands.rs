@@ -12,7 +12,8 @@ use super::Request;
 use super::protocol::{CniError, Code, Command};
 use super::reply::{IpResult, Reply, render_result, version_reply};
 use super::slices::{SLICE_WAIT, Sliced};
-use crate::alloc::{AllocError, Allocate, Direct, Engine, Target};
+use super::{keep, requested};
+use crate::alloc::{AllocError, Allocate, Attachment, Direct, Engine, Target};
 use crate::store::Datastore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
@@ -81,16 +82,57 @@ pub async fn handle_with<S: Datastore, A: Allocate<S>>(
     }
 }
 
-/// Allocates one address per range, in order; all or nothing.
+/// Allocates one address per range, in order; all or nothing (an address something other than
+/// the pod holds stays with its holder). On a network that keeps addresses, the attachment's
+/// holder is read first, and an IPAMClaim's addresses are taken again or recorded on it.
 async fn add<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
 ) -> Result<Reply, CniError> {
+    let kept = keep::resolve(store, req).await?;
+    let Some(claim) = &kept.claim else {
+        let ips = allocate_all(store, alloc, req, &kept.who, &req.requested).await?;
+        return reply(req, ips);
+    };
+    let allocated = match keep::claimed(claim) {
+        Ok(claimed) if claimed.is_empty() => Ok(req.requested.clone()),
+        Ok(claimed) => requested::assign(&req.ipam.ranges, &claimed),
+        Err(e) => Err(e),
+    };
+    let allocated = match allocated {
+        Ok(wanted) => allocate_all(store, alloc, req, &kept.who, &wanted).await,
+        Err(e) => Err(e),
+    };
+    match allocated {
+        Ok(ips) => {
+            let addresses: Vec<ipnet::IpNet> = ips.iter().map(|r| r.address).collect();
+            keep::record(store, claim, &addresses, &req.args.pod_name).await?;
+            reply(req, ips)
+        }
+        Err(e) => {
+            keep::report_failure(store, claim, &e).await;
+            Err(e)
+        }
+    }
+}
+
+/// One address per range for `who`: the requested one where `wanted` has one, else dynamic.
+async fn allocate_all<S: Datastore, A: Allocate<S>>(
+    store: &S,
+    alloc: &A,
+    req: &Request,
+    who: &Attachment,
+    wanted: &[Option<IpAddr>],
+) -> Result<Vec<IpResult>, CniError> {
     let mut ips = Vec::with_capacity(req.targets.len());
     let mut used = Vec::with_capacity(req.targets.len());
     for (i, range) in req.ipam.ranges.iter().enumerate() {
-        match allocate_range(store, alloc, req, i).await {
+        let allocated = match wanted.get(i).copied().flatten() {
+            Some(ip) => allocate_exact(store, &req.targets[i], who, ip).await,
+            None => allocate_range(store, alloc, req, who, i).await,
+        };
+        match allocated {
             Ok((target, ip)) => {
                 ips.push(IpResult {
                     // The whole range's prefix, also for a slice (as upstream).
@@ -101,11 +143,16 @@ async fn add<S: Datastore, A: Allocate<S>>(
                 used.push(target);
             }
             Err(e) => {
-                rollback(store, alloc, req, &used).await;
+                rollback(store, alloc, who, &used).await;
                 return Err(e);
             }
         }
     }
+    Ok(ips)
+}
+
+/// The result: the ranges' addresses, then the static ones.
+fn reply(req: &Request, mut ips: Vec<IpResult>) -> Result<Reply, CniError> {
     ips.extend(static_addresses(req));
     // Cannot fail: `load` checked the result's shape before anything was allocated.
     render_result(
@@ -116,17 +163,33 @@ async fn add<S: Datastore, A: Allocate<S>>(
     )
 }
 
+/// A requested address, claimed by this process (requests are rare: never grouped).
+async fn allocate_exact<S: Datastore>(
+    store: &S,
+    target: &Target,
+    who: &Attachment,
+    ip: IpAddr,
+) -> Result<(Target, IpAddr), CniError> {
+    let a = Engine::new(store, target)
+        .allocate_exact(ip, who)
+        .await
+        .map_err(alloc_error)?;
+    tracing::info!(ip = %a.ip, pool = %target.pool, pod = %who.podref, "allocated the requested address");
+    Ok((target.clone(), a.ip))
+}
+
 /// One address of range `i`: from its pool, or from this node's slices in order, taking one more
 /// free slice when they are all full.
 async fn allocate_range<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
+    who: &Attachment,
     i: usize,
 ) -> Result<(Target, IpAddr), CniError> {
     let Some(sliced) = Sliced::of(req, i) else {
         let target = &req.targets[i];
-        let ip = allocate_in(alloc, store, target, req, false).await?;
+        let ip = allocate_in(alloc, store, target, who, false).await?;
         return Ok((target.clone(), ip.expect("only a slice is skipped")));
     };
     let mut targets = sliced.wait_for_targets(store, SLICE_WAIT).await?;
@@ -134,7 +197,7 @@ async fn allocate_range<S: Datastore, A: Allocate<S>>(
     // Ends: every turn of the loop tries a slice not tried before, and there are finitely many.
     loop {
         for target in targets.drain(..) {
-            if let Some(ip) = allocate_in(alloc, store, &target, req, true).await? {
+            if let Some(ip) = allocate_in(alloc, store, &target, who, true).await? {
                 return Ok((target, ip));
             }
             tried.push(target.pool);
@@ -152,12 +215,12 @@ async fn allocate_in<S: Datastore, A: Allocate<S>>(
     alloc: &A,
     store: &S,
     target: &Target,
-    req: &Request,
+    who: &Attachment,
     slice: bool,
 ) -> Result<Option<IpAddr>, CniError> {
-    match alloc.allocate(store, target, &req.attachment).await {
+    match alloc.allocate(store, target, who).await {
         Ok(a) => {
-            tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %req.attachment.podref, "allocated");
+            tracing::info!(ip = %a.ip, pool = %target.pool, conflicts = a.conflicts, pod = %who.podref, "allocated");
             Ok(Some(a.ip))
         }
         Err(AllocError::Exhausted { .. } | AllocError::PoolFull { .. }) if slice => Ok(None),
@@ -179,15 +242,15 @@ async fn held_targets<S: Datastore>(
     }
 }
 
-/// Releases what a failed ADD took, so it leaves nothing behind.
+/// Releases what a failed ADD took, so it leaves nothing behind (but what a holder keeps).
 async fn rollback<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
-    req: &Request,
+    who: &Attachment,
     used: &[Target],
 ) {
     for target in used {
-        if let Err(e) = alloc.release(store, target, &req.attachment).await {
+        if let Err(e) = alloc.release(store, target, who).await {
             tracing::error!(pool = %target.pool, error = %e, "could not roll back a partial ADD; the audit will release it");
         }
     }
@@ -226,6 +289,7 @@ fn alloc_error(e: AllocError) -> CniError {
             format!("datastore: {s}: the pool has grown past the largest object the API server can store; split the range into smaller ranges or use node slices (docs/reliability.md, Limits)"),
         )
         .with_details(s.kind()),
+        AllocError::Unavailable { .. } => CniError::new(Code::AddressUnavailable, e.to_string()),
         AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
             CniError::new(Code::TryAgainLater, e.to_string())
         }

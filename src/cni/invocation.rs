@@ -8,7 +8,7 @@
 use serde_json::{Map, Value};
 
 use super::protocol::{CniArgs, CniError, Code, Command, check_version};
-use super::slices;
+use super::{requested, slices};
 use crate::alloc::{Attachment, Target};
 use crate::config::netconf::one_address_per_family;
 use crate::config::{
@@ -29,6 +29,17 @@ pub struct Request {
     pub targets: Vec<Target>,
     /// The node's name, when a range is sliced (`node_slice_size`).
     pub node: Option<String>,
+    /// The address requested for each range (`runtimeConfig.ips`, `args.cni.ips`), if any.
+    pub requested: Vec<Option<std::net::IpAddr>>,
+    /// Whether this network keeps addresses past their pods.
+    pub keep: Keep,
+}
+
+/// How a network keeps addresses past their pods (see [`super::keep`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Keep {
+    pub sticky_statefulset: bool,
+    pub persistent_ips: bool,
 }
 
 /// The engine's target of one configured range.
@@ -157,13 +168,32 @@ impl Invocation {
                 format!("invalid whereabouts config: {p}"),
             ));
         }
-        let args = CniArgs::parse(&self.cni_args)?;
+        let mut args = CniArgs::parse(&self.cni_args)?;
+        let requested = requested::read(&conf.value)?;
+        if !requested.is_empty() && !args.ips.is_empty() {
+            // The CNI conventions: a plugin that honours `ips` ignores CNI_ARGS `IP`.
+            tracing::info!("CNI_ARGS IP is ignored: the config requests addresses (ips)");
+            args.ips.clear();
+        }
         check_result_shape(&conf.cni_version, prefix, &ipam, &args)?;
+        let keep = Keep {
+            sticky_statefulset: ipam.sticky_statefulset,
+            persistent_ips: ipam.allow_persistent_ips
+                || conf.allow_persistent_ips().map_err(|p| {
+                    CniError::new(Code::InvalidConfig, format!("invalid network config: {p}"))
+                })?,
+        };
+        let requested = if command == Command::Add {
+            requested::assign(&ipam.ranges, &requested)?
+        } else {
+            Vec::new()
+        };
         let attachment = Attachment {
             container_id: self.container_id.clone(),
             ifname: self.ifname.clone(),
             podref: args.podref(),
             pod_uid: args.pod_uid.clone(),
+            holder: Default::default(),
         };
         require_env(command, &attachment)?;
         let targets = ipam.ranges.iter().map(|r| target(r, &ipam)).collect();
@@ -176,6 +206,8 @@ impl Invocation {
             ipam,
             targets,
             node,
+            requested,
+            keep,
         })
     }
 

@@ -9,15 +9,19 @@
 //! | [`commands`] | ADD, DEL, CHECK, GC, STATUS over the allocation engine, within deadlines |
 //! | [`reply`] | the typed results, in the shape of the config's `cniVersion` |
 //! | [`slices`] | node slices on the node: its slices of a range, taking a free one, its name |
+//! | [`requested`] | requested addresses (`ips`): read, checked, one per range |
+//! | [`keep`] | addresses that stay: the attachment's holder, an IPAMClaim's status |
 //! | [`handoff`] | what the plugin and the node agent say over the agent's socket |
 //! | [`plugin`] | the process: logging, hand-off or local run, stdout |
 
 pub mod commands;
 pub mod handoff;
 pub mod invocation;
+pub mod keep;
 pub mod plugin;
 pub mod protocol;
 pub mod reply;
+pub mod requested;
 pub mod slices;
 
 pub use commands::{

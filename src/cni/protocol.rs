@@ -29,12 +29,14 @@ pub enum Code {
     Exhausted,
     /// CHECK found the stored state differs from the previous result.
     CheckMismatch,
+    /// A requested address (or an IPAMClaim's) is outside the ranges or held by another pod.
+    AddressUnavailable,
     /// A code this version does not know, passed on as it came (from a newer node agent).
     Other(u32),
 }
 
 impl Code {
-    const KNOWN: [Code; 10] = [
+    const KNOWN: [Code; 11] = [
         Code::IncompatibleVersion,
         Code::UnsupportedField,
         Code::InvalidEnv,
@@ -45,6 +47,7 @@ impl Code {
         Code::NotAvailable,
         Code::Exhausted,
         Code::CheckMismatch,
+        Code::AddressUnavailable,
     ];
 
     /// The number printed in the error object.
@@ -60,6 +63,7 @@ impl Code {
             Code::NotAvailable => 50,
             Code::Exhausted => 100,
             Code::CheckMismatch => 101,
+            Code::AddressUnavailable => 102,
             Code::Other(n) => n,
         }
     }
@@ -274,7 +278,7 @@ mod tests {
     #[test]
     fn codes_keep_their_numbers() {
         let numbers: Vec<u32> = Code::KNOWN.iter().map(|c| c.number()).collect();
-        assert_eq!(numbers, [1, 2, 4, 5, 6, 7, 11, 50, 100, 101]);
+        assert_eq!(numbers, [1, 2, 4, 5, 6, 7, 11, 50, 100, 101, 102]);
         for c in Code::KNOWN {
             assert_eq!(Code::from_number(c.number()), c);
         }

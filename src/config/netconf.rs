@@ -88,6 +88,26 @@ impl NetConf {
         })
     }
 
+    /// The top-level `allowPersistentIPs` (KubeVirt's switch for IPAMClaims); a value that is not
+    /// a boolean is a problem naming it. Only a single-plugin config carries it to the plugin:
+    /// libcni hands each plugin of a conflist its own object.
+    pub fn allow_persistent_ips(&self) -> Result<bool, Problem> {
+        match self.value.get("allowPersistentIPs") {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(Value::String(s)) => Err(Problem::with_value(
+                "allowPersistentIPs",
+                s,
+                "must be true or false",
+            )),
+            Some(other) => Err(Problem::with_value(
+                "allowPersistentIPs",
+                other,
+                "must be true or false",
+            )),
+        }
+    }
+
     /// Every whereabouts ipam object, with the path it sits at (`ipam` or `plugins[i].ipam`).
     pub fn whereabouts_ipams(&self) -> Vec<(String, &Value)> {
         match self.value.get("plugins").and_then(Value::as_array) {

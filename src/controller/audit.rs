@@ -88,7 +88,11 @@ pub struct LivePods {
 impl LivePods {
     /// Why `entry` (holding `ip`) is stale, if it is: its pod is gone, or the pod lives on with
     /// another address on the entry's interface.
+    /// A held entry is its holder's (see `controller::holders`), never stale here.
     pub fn staleness(&self, entry: &IPAllocation, ip: Option<IpAddr>) -> Option<Stale> {
+        if entry.is_held() {
+            return None;
+        }
         if is_stale(entry, &self.uids) {
             return Some(Stale::PodGone);
         }

@@ -1,11 +1,12 @@
-//! The operator's periodic loops: the pool audit, NADs to pools, and node slices.
+//! The operator's periodic loops: the pool audit, NADs to pools, node slices, and addresses whose
+//! holders are gone.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::{Context, audit, nads, slices};
+use super::{Context, audit, holders, nads, slices};
 
 pub(super) async fn audit_loop(ctx: Arc<Context>) {
     let mut auditor = audit::Auditor::new();
@@ -89,5 +90,29 @@ pub(super) async fn slice_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
         }
         let _ = tokio::time::timeout(Duration::from_secs(15), changed.notified()).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How often held addresses are checked against their holders.
+const HOLDER_PERIOD: Duration = Duration::from_secs(30);
+
+/// Addresses held by StatefulSets and IPAMClaims, freed when their holder goes. Never decided
+/// from partial lists: that would free kept addresses.
+pub(super) async fn holder_loop(ctx: Arc<Context>) {
+    let _ = tokio::join!(
+        ctx.caches.statefulsets.wait_until_ready(),
+        ctx.caches.claims.wait_until_ready()
+    );
+    loop {
+        if ctx.is_leader() {
+            let started = std::time::Instant::now();
+            let result = holders::reconcile(&ctx).await;
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "held address reconcile failed");
+            }
+            ctx.metrics
+                .observe_reconcile("holders", result.is_ok(), started.elapsed());
+        }
+        tokio::time::sleep(HOLDER_PERIOD).await;
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod audit;
 pub mod cleanup;
+pub mod holders;
 mod loops;
 pub mod nads;
 pub mod pools;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::api::{Api, DeleteParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -27,7 +29,7 @@ use kube::{Client, Resource};
 use tokio::sync::{Notify, mpsc, watch};
 
 use crate::crd::{
-    IPPool, NetworkAttachmentDefinition, NodeSlicePool, OverlappingRangeIPReservation,
+    IPAMClaim, IPPool, NetworkAttachmentDefinition, NodeSlicePool, OverlappingRangeIPReservation,
 };
 use crate::metrics::Metrics;
 use crate::ownership::PodIdentity;
@@ -54,6 +56,10 @@ pub struct Caches {
     /// Nodes, trimmed to their metadata: who gets node slices.
     pub nodes: Store<Node>,
     pub slice_pools: Store<NodeSlicePool>,
+    /// StatefulSets, trimmed to their replicas: who keeps sticky addresses.
+    pub statefulsets: Store<StatefulSet>,
+    /// IPAMClaims, trimmed to their names: who keeps claimed addresses.
+    pub claims: Store<IPAMClaim>,
 }
 
 impl Caches {
@@ -64,7 +70,11 @@ impl Caches {
         let (reservations, res_w) = reflector::store::<OverlappingRangeIPReservation>();
         let (nodes, nodes_w) = reflector::store::<Node>();
         let (slice_pools, slices_w) = reflector::store::<NodeSlicePool>();
+        let (statefulsets, statefulsets_w) = reflector::store::<StatefulSet>();
+        let (claims, claims_w) = reflector::store::<IPAMClaim>();
         let caches = Caches {
+            statefulsets,
+            claims,
             pods,
             nads,
             pools,
@@ -78,6 +88,8 @@ impl Caches {
             reservations: res_w,
             nodes: nodes_w,
             slice_pools: slices_w,
+            statefulsets: statefulsets_w,
+            claims: claims_w,
         };
         (caches, writers)
     }
@@ -271,7 +283,8 @@ async fn run_loops(
         cleanup_worker(ctx.clone(), jobs_rx, jobs_tx),
         loops::audit_loop(ctx.clone()),
         loops::nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
-        loops::slice_loop(ctx, slices_changed)
+        loops::slice_loop(ctx.clone(), slices_changed),
+        loops::holder_loop(ctx)
     );
 }
 

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector;
@@ -15,7 +16,8 @@ use tokio::sync::{Notify, mpsc};
 
 use super::Job;
 use super::cleanup::{self, Trigger};
-use crate::crd::{IPPool, NodeSlicePool, OverlappingRangeIPReservation};
+use super::holders;
+use crate::crd::{IPAMClaim, IPPool, NodeSlicePool, OverlappingRangeIPReservation};
 
 /// The writers of the caches the watches fill (the NAD cache is the webhook's, filled elsewhere).
 pub(super) struct Writers {
@@ -24,6 +26,8 @@ pub(super) struct Writers {
     pub reservations: reflector::store::Writer<OverlappingRangeIPReservation>,
     pub nodes: reflector::store::Writer<Node>,
     pub slice_pools: reflector::store::Writer<NodeSlicePool>,
+    pub statefulsets: reflector::store::Writer<StatefulSet>,
+    pub claims: reflector::store::Writer<IPAMClaim>,
 }
 
 /// Runs every watch; returns (after logging which) if one ever ends. Pod events queue cleanup
@@ -55,6 +59,22 @@ pub(super) async fn all(
         slices_changed.clone(),
         node_set_changes(),
     );
+    let statefulset_watch = watcher(
+        Api::<StatefulSet>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(holders::trim_statefulset)
+    .reflect(w.statefulsets)
+    .for_each(|e| log_watch_error("statefulset", e));
+    let claim_watch = watcher(
+        Api::<IPAMClaim>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(holders::trim_claim)
+    .reflect(w.claims)
+    .for_each(|e| log_watch_error("ipamclaim", e));
     let slice_watch = notifying_watch(
         watcher(
             Api::<NodeSlicePool>::namespaced(client, namespace),
@@ -72,6 +92,8 @@ pub(super) async fn all(
         () = res_watch => tracing::error!("reservation watch ended"),
         () = node_watch => tracing::error!("node watch ended"),
         () = slice_watch => tracing::error!("nodeslicepool watch ended"),
+        () = statefulset_watch => tracing::error!("statefulset watch ended"),
+        () = claim_watch => tracing::error!("ipamclaim watch ended"),
     }
 }
 

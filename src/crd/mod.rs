@@ -27,9 +27,23 @@ pub struct IPAllocation {
     /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub poduid: String,
-    /// Upstream's IPAMClaim owner; kept so our writes never drop it.
+    /// The IPAMClaim (`<namespace>/<name>`) that holds this address past its pods: DEL, CNI GC
+    /// and pod cleanup leave the entry alone, deleting the claim frees it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ipamclaimref: String,
+    /// The StatefulSet whose pod holds this address (`sticky_statefulset`): kept for the pod's
+    /// ordinal while the StatefulSet exists and that ordinal is below its replicas. Our addition,
+    /// ignored by upstream as `poduid` is.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub statefulset: String,
+}
+
+impl IPAllocation {
+    /// True when something other than its pod holds the address (an IPAMClaim, a StatefulSet
+    /// ordinal): DEL, CNI GC and pod cleanup leave it; the operator frees it when the holder goes.
+    pub fn is_held(&self) -> bool {
+        !self.ipamclaimref.is_empty() || !self.statefulset.is_empty()
+    }
 }
 
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -73,8 +87,13 @@ pub struct OverlappingRangeIPReservationSpec {
     pub ifname: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub poduid: String,
+    /// The IPAMClaim holding the address, as on the pool entry.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ipamclaimref: String,
+    /// The StatefulSet holding the address, as on the pool entry (so that a writer recording
+    /// this claim for its claimant records the entry whole).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub statefulset: String,
 }
 
 #[derive(
@@ -136,6 +155,72 @@ pub struct NetworkAttachmentDefinitionSpec {
     pub config: String,
 }
 
+/// A persistent address request (KubeVirt's ipam-extensions, OVN-Kubernetes): the pods that refer
+/// to it in their network-selection element (`ipam-claim-reference`) get the addresses in its
+/// status, allocated once and kept until the claim is deleted.
+#[derive(
+    CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
+)]
+#[kube(
+    group = "k8s.cni.cncf.io",
+    version = "v1alpha1",
+    kind = "IPAMClaim",
+    plural = "ipamclaims",
+    namespaced,
+    status = "IPAMClaimStatus",
+    doc = "A claim on persistent IP addresses of one network and interface, kept across the pods that refer to it.",
+    printcolumn = r#"{"name":"Network","type":"string","jsonPath":".spec.network"}"#,
+    printcolumn = r#"{"name":"Interface","type":"string","jsonPath":".spec.interface"}"#,
+    printcolumn = r#"{"name":"IPs","type":"string","jsonPath":".status.ips"}"#,
+    printcolumn = r#"{"name":"Owner","type":"string","jsonPath":".status.ownerPod.name"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct IPAMClaimSpec {
+    /// The network the claim is for (the network config's `name`).
+    pub network: String,
+    /// The pod interface the addresses are for (`net1`).
+    pub interface: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct IPAMClaimStatus {
+    /// The claimed addresses with their prefix lengths (`10.0.0.5/24`); set once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ips: Vec<String>,
+    /// The pod the addresses were last given to.
+    #[serde(rename = "ownerPod", default, skip_serializing_if = "Option::is_none")]
+    pub owner_pod: Option<OwnerPod>,
+    /// `IPsAllocated`, with reason `SuccessfulAllocation`, `SubnetExhausted`,
+    /// `IPAddressConflict` or `InternalError`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<ClaimCondition>,
+}
+
+/// A `metav1.Condition` (the k8s-openapi type has no schema to generate the CRD from).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct ClaimCondition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+    /// RFC 3339, when the status last changed.
+    #[serde(rename = "lastTransitionTime")]
+    pub last_transition_time: String,
+    #[serde(
+        rename = "observedGeneration",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub observed_generation: Option<i64>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct OwnerPod {
+    pub name: String,
+}
+
 /// NodeSlicePool as upstream defines it: `status` is part of the object, not a subresource (the
 /// derive would make one), so one PUT writes spec and status, by the operator and by a node
 /// taking a free slice, exactly as upstream's controller writes it.
@@ -162,6 +247,7 @@ pub fn all() -> Vec<(
             OverlappingRangeIPReservation::crd(),
         ),
         ("nodeslicepools.yaml", node_slice_pool_crd()),
+        ("ipamclaims.yaml", IPAMClaim::crd()),
         (
             "network-attachment-definitions.yaml",
             NetworkAttachmentDefinition::crd(),

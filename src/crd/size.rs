@@ -48,6 +48,7 @@ pub fn entry_bytes(offset: u128, entry: &IPAllocation) -> usize {
         + field("ifname", &entry.ifname)
         + field("poduid", &entry.poduid)
         + field("ipamclaimref", &entry.ipamclaimref)
+        + field("statefulset", &entry.statefulset)
 }
 
 /// The estimated stored size of a pool with these entries.
@@ -71,7 +72,7 @@ pub fn typical_entry_bytes() -> usize {
         podref: "x".repeat(45),
         ifname: "net1".into(),
         poduid: "0".repeat(36),
-        ipamclaimref: String::new(),
+        ..Default::default()
     };
     entry_bytes(10_000, &typical)
 }
@@ -108,13 +109,31 @@ mod tests {
             ),
             ifname: "net1".into(),
             poduid: format!("5f0c6a2e-1d3b-4c1e-9a4f-{i:012}"),
-            ipamclaimref: String::new(),
+            ..Default::default()
+        }
+    }
+
+    /// An entry held by a claim or a StatefulSet, every few offsets.
+    fn maybe_held(i: u128) -> IPAllocation {
+        IPAllocation {
+            ipamclaimref: if i.is_multiple_of(7) {
+                format!("vms/vm-{i}.net")
+            } else {
+                String::new()
+            },
+            statefulset: if i.is_multiple_of(5) {
+                "web".into()
+            } else {
+                String::new()
+            },
+            ..entry(i)
         }
     }
 
     #[test]
     fn the_estimate_is_the_compact_json_of_the_entries() {
-        let entries: BTreeMap<u128, IPAllocation> = (1..=1000).map(|o| (o, entry(o))).collect();
+        let entries: BTreeMap<u128, IPAllocation> =
+            (1..=1000).map(|o| (o, maybe_held(o))).collect();
         let json = serde_json::to_string(
             &entries
                 .iter()

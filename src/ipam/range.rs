@@ -182,6 +182,25 @@ impl AddrRange {
                 .any(|b| b.first <= offset && offset <= b.last)
     }
 
+    /// Why `ip` is not an address this range may hand out, in words that name the range; `None`
+    /// when it may. Requested addresses are judged by this.
+    pub fn refusal(&self, ip: IpAddr) -> Option<String> {
+        let Some(offset) = self.offset_of(ip) else {
+            return Some(format!("is outside range {}", self.cidr));
+        };
+        if offset < self.first || offset > self.last {
+            let (first, last) = self.window();
+            return Some(format!(
+                "is outside the usable window {first} to {last} of range {}",
+                self.cidr
+            ));
+        }
+        self.excludes
+            .iter()
+            .find(|net| net.contains(&ip))
+            .map(|net| format!("is excluded from range {} (exclude {net})", self.cidr))
+    }
+
     /// True when `net` shares at least one address with the window.
     pub fn window_touches(&self, net: &IpNet) -> bool {
         let (lo, hi) = (to_u128(net.network()), to_u128(net.broadcast()));

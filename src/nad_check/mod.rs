@@ -91,6 +91,7 @@ pub fn check_spec_config(config: &str) -> NadCheck {
     out.whereabouts = true;
     // The plugin refuses these at every ADD: the same checks, the same words.
     out.errors.extend(conf.version_problem());
+    out.errors.extend(conf.allow_persistent_ips().err());
     for (prefix, ipam) in ipams {
         let v = validate_ipam(ipam, &prefix, Source::Nad);
         out.errors.extend(v.errors);

@@ -26,7 +26,9 @@ use std::future::Future;
 
 use thiserror::Error;
 
-use crate::crd::{IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec};
+use crate::crd::{
+    IPAMClaim, IPAMClaimStatus, IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec,
+};
 
 /// A pool as read, with its allocations keyed by numeric offset.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -373,4 +375,62 @@ pub trait Datastore: Send + Sync {
         &self,
         pool: &NodeSlicePool,
     ) -> impl Future<Output = Result<Write>> + Send;
+    /// What an ADD needs to know of its pod (only read on networks that keep addresses).
+    fn get_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<PodFacts>>> + Send;
+    /// An IPAMClaim, its resourceVersion in its metadata.
+    fn get_ipam_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<IPAMClaim>>> + Send;
+    /// Writes an IPAMClaim's status if the claim is still at the resourceVersion in its metadata;
+    /// `Conflict` otherwise, `Missing` when it is gone.
+    fn write_ipam_claim_status(
+        &self,
+        claim: &IPAMClaim,
+        status: &IPAMClaimStatus,
+    ) -> impl Future<Output = Result<Write>> + Send;
 }
+
+/// What an ADD reads of its pod: whose it is, and what its network-selection elements ask for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodFacts {
+    pub uid: String,
+    /// The `k8s.v1.cni.cncf.io/networks` annotation, as written.
+    pub networks: Option<String>,
+    /// The StatefulSet controlling the pod, when one does.
+    pub statefulset: Option<String>,
+}
+
+impl PodFacts {
+    /// The facts of a pod object.
+    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> PodFacts {
+        let meta = &pod.metadata;
+        let statefulset = meta
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| {
+                o.controller == Some(true)
+                    && o.kind == "StatefulSet"
+                    && o.api_version.starts_with("apps/")
+            })
+            .map(|o| o.name.clone());
+        PodFacts {
+            uid: meta.uid.clone().unwrap_or_default(),
+            networks: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(NETWORKS_ANNOTATION))
+                .cloned(),
+            statefulset,
+        }
+    }
+}
+
+/// The pod annotation listing its network-selection elements (Multus).
+pub const NETWORKS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/networks";

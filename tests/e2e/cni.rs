@@ -293,7 +293,7 @@ fn a_full_pool_object_refuses_the_add_for_good() {
         podref: format!("{}/app-deployment-7d9f8c6b5-{o:06}", ns.name),
         ifname: "net1".into(),
         poduid: format!("5f0c6a2e-1d3b-4c1e-9a4f-{o:012}"),
-        ipamclaimref: String::new(),
+        ..Default::default()
     };
     let mut entries = BTreeMap::new();
     let mut o = 1;
@@ -308,7 +308,7 @@ fn a_full_pool_object_refuses_the_add_for_good() {
         podref: format!("{}/new", ns.name),
         ifname: "net1".into(),
         poduid: "uid-new".into(),
-        ipamclaimref: String::new(),
+        ..Default::default()
     };
     let room =
         POOL_OBJECT_BUDGET - pool_bytes(range, &entries) - entry_bytes(65_536, &new_entry) + 1;

@@ -239,10 +239,7 @@ async fn settle<S: Datastore>(
                 }
             }
             State::Open => {
-                if pool
-                    .entry_of(&slot.job.who.podref, &slot.job.who.ifname)
-                    .is_some()
-                {
+                if slot.job.who.held_entry(pool).is_some() {
                     slot.state = State::Alone;
                 }
             }

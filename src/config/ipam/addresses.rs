@@ -3,8 +3,8 @@
 use ipnet::IpNet;
 use serde_json::Value;
 
-use super::StaticAddress;
 use super::reader::{Reader, parse_ip};
+use super::{RangeConfig, StaticAddress};
 use crate::config::problem::Problem;
 
 pub(super) fn read_routes(r: &mut Reader<'_>) -> Vec<Value> {
@@ -77,4 +77,32 @@ pub(super) fn read_addresses(r: &mut Reader<'_>) -> Vec<StaticAddress> {
         addresses.push(StaticAddress { address, gateway });
     }
     addresses
+}
+
+/// Static `addresses` are appended to every result without being reserved (as upstream does): one
+/// inside the network's own dynamic window is a duplicate waiting to happen.
+pub(super) fn inside_ranges(
+    prefix: &str,
+    addresses: &[StaticAddress],
+    ranges: &[RangeConfig],
+) -> Vec<Problem> {
+    addresses
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| {
+            let ip = a.address.addr();
+            let range = ranges
+                .iter()
+                .find(|r| r.range.offset_of(ip).is_some_and(|o| r.range.is_allocatable(o)))?;
+            Some(Problem::with_value(
+                format!("{prefix}.addresses[{i}].address"),
+                a.address,
+                format!(
+                    "is inside the allocatable window of {} ({}): static addresses are not reserved, so a pod may be given it too; exclude it from the range, or request it per pod (runtimeConfig.ips) so that it is reserved",
+                    range.path.trim_end_matches(".range"),
+                    range.range.cidr()
+                ),
+            ))
+        })
+        .collect()
 }

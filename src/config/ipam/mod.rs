@@ -80,6 +80,12 @@ pub struct IpamConfig {
     /// The node agent's Unix socket (`agent_socket`, our addition): ADDs and DELs go through the
     /// agent when it listens there, directly to the API server otherwise. `None`: never.
     pub agent_socket: Option<String>,
+    /// `sticky_statefulset` (ours): a StatefulSet pod's ordinal keeps its address while the
+    /// StatefulSet has that ordinal.
+    pub sticky_statefulset: bool,
+    /// `allowPersistentIPs` in the ipam object (for conflists, whose top level the plugin does not
+    /// see); at the top level of a single-plugin config it counts too.
+    pub allow_persistent_ips: bool,
 }
 
 /// The NodeSlicePools of `cfg`'s sliced ranges are named after the network (`network_name`, else
@@ -188,6 +194,11 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
         cfg.gateway,
         cfg.log_level.as_deref(),
     ));
+    out.warnings.extend(addresses::inside_ranges(
+        prefix,
+        &cfg.addresses,
+        &cfg.ranges,
+    ));
     if errors.is_empty() && !cfg.ranges.is_empty() {
         out.config = Some(cfg);
     }
@@ -222,7 +233,11 @@ fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
         Source::Nad => None,
     };
     r.string("configuration_path");
+    let sticky_statefulset = r.bool("sticky_statefulset").unwrap_or(false);
+    let allow_persistent_ips = r.bool("allowPersistentIPs").unwrap_or(false);
     IpamConfig {
+        sticky_statefulset,
+        allow_persistent_ips,
         ranges,
         gateway,
         routes,

@@ -22,8 +22,11 @@ impl<'a> Reader<'a> {
 
     pub(super) fn wrong_type(&mut self, key: &str, v: &Value, expected: &str) {
         let path = self.path(key);
-        self.errors
-            .push(Problem::with_value(path, v, format!("must be {expected}")));
+        self.errors.push(Problem::with_value(
+            path,
+            shown(v),
+            format!("must be {expected}"),
+        ));
     }
 
     pub(super) fn string(&mut self, key: &str) -> Option<&'a str> {
@@ -89,6 +92,14 @@ impl<'a> Reader<'a> {
             prefix,
             errors: Vec::new(),
         }
+    }
+}
+
+/// A value as a problem shows it: a string's text (quoted once, by the problem), else its JSON.
+pub(super) fn shown(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
     }
 }
 

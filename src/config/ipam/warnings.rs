@@ -31,6 +31,8 @@ const KNOWN_KEYS: &[&str] = &[
     "log_file",
     "log_level",
     "agent_socket",
+    "sticky_statefulset",
+    "allowPersistentIPs",
     "leader_lease_duration",
     "leader_renew_deadline",
     "leader_retry_period",

@@ -22,13 +22,13 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, Datastore, IP_ANNOTATION, POOL_LABEL, Pool, PoolClaim, PoolWrite,
+    CLAIMED_LABEL, Datastore, IP_ANNOTATION, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
     RELEASING_LABEL, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write,
     claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
-    IPAllocation, IPPool, IPPoolSpec, NodeSlicePool, OverlappingRangeIPReservation,
-    OverlappingRangeIPReservationSpec,
+    IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, IPPoolSpec, NodeSlicePool,
+    OverlappingRangeIPReservation, OverlappingRangeIPReservationSpec,
 };
 use errors::{api_code, error, is_unserved, retrying};
 use requests::{entry_path, owner_tests};
@@ -42,6 +42,8 @@ pub struct KubeStore {
     leases: Api<Lease>,
     pods: Api<Pod>,
     slices: Api<NodeSlicePool>,
+    /// For the objects of other namespaces: pods and IPAMClaims.
+    client: Client,
     /// NodeSlicePools as last read or written by this store, with when (see
     /// [`Datastore::get_node_slice_pool_recent`]); shared by clones.
     recent_slices: std::sync::Arc<std::sync::Mutex<RecentSlices>>,
@@ -68,12 +70,24 @@ impl KubeStore {
             slices: Api::namespaced(client.clone(), namespace),
             recent_slices: Default::default(),
             slice_reads: Default::default(),
-            pods: Api::all(client),
+            pods: Api::all(client.clone()),
+            client,
         }
     }
 }
 
 impl KubeStore {
+    /// The replicas of StatefulSet `<namespace>/<name>`, `None` when it does not exist (the
+    /// operator's check before it frees a sticky address).
+    pub async fn statefulset_replicas(&self, namespace: &str, name: &str) -> Result<Option<i32>> {
+        let api: Api<k8s_openapi::api::apps::v1::StatefulSet> =
+            Api::namespaced(self.client.clone(), namespace);
+        let found = retrying(|| api.get_opt(name))
+            .await
+            .map_err(|e| error("get", format!("statefulset {namespace}/{name}"), e))?;
+        Ok(found.map(|s| s.spec.and_then(|sp| sp.replicas).unwrap_or(1)))
+    }
+
     /// Remembers a read of a NodeSlicePool (`Some`), or forgets it (`None`).
     fn remember_slices(&self, name: &str, read: Option<Option<NodeSlicePool>>) {
         let mut recent = self.recent_slices.lock().expect("not poisoned");
@@ -433,6 +447,49 @@ impl Datastore for KubeStore {
             Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
             Err(e) if api_code(&e) == Some(404) && !is_unserved(&e) => Ok(Write::Missing),
             Err(e) => Err(error("update", format!("nodeslicepool {name}"), e)),
+        }
+    }
+
+    async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        let found = retrying(|| pods.get_opt(name))
+            .await
+            .map_err(|e| error("get", format!("pod {namespace}/{name}"), e))?;
+        Ok(found.as_ref().map(PodFacts::of))
+    }
+
+    async fn get_ipam_claim(&self, namespace: &str, name: &str) -> Result<Option<IPAMClaim>> {
+        let claims: Api<IPAMClaim> = Api::namespaced(self.client.clone(), namespace);
+        retrying(|| claims.get_opt(name))
+            .await
+            .map_err(|e| error("get", format!("ipamclaim {namespace}/{name}"), e))
+    }
+
+    async fn write_ipam_claim_status(
+        &self,
+        claim: &IPAMClaim,
+        status: &IPAMClaimStatus,
+    ) -> Result<Write> {
+        let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+        let name = claim.metadata.name.clone().unwrap_or_default();
+        let claims: Api<IPAMClaim> = Api::namespaced(self.client.clone(), &namespace);
+        // The resourceVersion makes the write conditional: a claim another pod's ADD gave its
+        // addresses meanwhile is not overwritten.
+        let patch = json!({
+            "metadata": {"resourceVersion": claim.metadata.resource_version},
+            "status": status,
+        });
+        let params = kube::api::PatchParams::default();
+        let patch = kube::api::Patch::Merge(&patch);
+        match retrying(|| claims.patch_status(&name, &params, &patch)).await {
+            Ok(_) => Ok(Write::Done),
+            Err(e) if api_code(&e) == Some(409) => Ok(Write::Conflict),
+            Err(e) if api_code(&e) == Some(404) && !is_unserved(&e) => Ok(Write::Missing),
+            Err(e) => Err(error(
+                "update",
+                format!("ipamclaim {namespace}/{name} status"),
+                e,
+            )),
         }
     }
 }

@@ -61,6 +61,10 @@ struct State {
     releasing: BTreeMap<String, i64>,
     /// NodeSlicePools by name, their resourceVersion in their metadata.
     slices: BTreeMap<String, crate::crd::NodeSlicePool>,
+    /// What ADDs read of pods, by `<namespace>/<name>`.
+    pod_facts: HashMap<String, super::PodFacts>,
+    /// IPAMClaims by `<namespace>/<name>`, their resourceVersion in their metadata.
+    ipam_claims: BTreeMap<String, crate::crd::IPAMClaim>,
 }
 
 impl State {
@@ -90,6 +94,30 @@ impl MemoryStore {
     /// The NodeSlicePool named `name`, as stored.
     pub fn node_slice_pool(&self, name: &str) -> Option<crate::crd::NodeSlicePool> {
         self.state.lock().unwrap().slices.get(name).cloned()
+    }
+
+    /// Stores what an ADD reads of pod `podref` (and makes the pod live with its UID).
+    pub fn put_pod_facts(&self, podref: &str, facts: super::PodFacts) {
+        let mut s = self.state.lock().unwrap();
+        s.pods.insert(podref.into(), facts.uid.clone());
+        s.pod_facts.insert(podref.into(), facts);
+    }
+
+    /// Stores an IPAMClaim as a person would: a new resourceVersion each time.
+    pub fn put_ipam_claim(&self, mut claim: crate::crd::IPAMClaim) {
+        let key = format!(
+            "{}/{}",
+            claim.metadata.namespace.clone().unwrap_or_default(),
+            claim.metadata.name.clone().unwrap_or_default()
+        );
+        claim.metadata.resource_version =
+            Some(format!("c{}", self.next.fetch_add(1, Ordering::Relaxed)));
+        self.state.lock().unwrap().ipam_claims.insert(key, claim);
+    }
+
+    /// The IPAMClaim `<namespace>/<name>`, as stored.
+    pub fn ipam_claim(&self, key: &str) -> Option<crate::crd::IPAMClaim> {
+        self.state.lock().unwrap().ipam_claims.get(key).cloned()
     }
 
     pub fn set_pod(&self, podref: &str, uid: &str) {

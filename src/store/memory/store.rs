@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
 use super::{MemoryStore, State};
-use crate::crd::{IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec};
+use crate::crd::{
+    IPAMClaim, IPAMClaimStatus, IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec,
+};
 use crate::store::{
-    Datastore, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Turn, TurnAttempt,
-    Write,
+    Datastore, PodFacts, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Turn,
+    TurnAttempt, Write,
 };
 
 /// Watches a pool of a [`MemoryStore`].
@@ -364,6 +366,45 @@ impl Datastore for MemoryStore {
         *stored = pool.clone();
         stored.metadata.resource_version =
             Some(self.next.fetch_add(1, Ordering::Relaxed).to_string());
+        Ok(Write::Done)
+    }
+
+    async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>> {
+        self.pause().await;
+        let key = format!("{namespace}/{name}");
+        self.check("get", &key)?;
+        Ok(self.state.lock().unwrap().pod_facts.get(&key).cloned())
+    }
+
+    async fn get_ipam_claim(&self, namespace: &str, name: &str) -> Result<Option<IPAMClaim>> {
+        self.pause().await;
+        let key = format!("{namespace}/{name}");
+        self.check("get", &key)?;
+        Ok(self.state.lock().unwrap().ipam_claims.get(&key).cloned())
+    }
+
+    async fn write_ipam_claim_status(
+        &self,
+        claim: &IPAMClaim,
+        status: &IPAMClaimStatus,
+    ) -> Result<Write> {
+        self.pause().await;
+        let key = format!(
+            "{}/{}",
+            claim.metadata.namespace.clone().unwrap_or_default(),
+            claim.metadata.name.clone().unwrap_or_default()
+        );
+        self.check("update", &key)?;
+        let mut s = self.state.lock().unwrap();
+        let Some(stored) = s.ipam_claims.get_mut(&key) else {
+            return Ok(Write::Missing);
+        };
+        if stored.metadata.resource_version != claim.metadata.resource_version {
+            return Ok(Write::Conflict);
+        }
+        stored.status = Some(status.clone());
+        stored.metadata.resource_version =
+            Some(format!("c{}", self.next.fetch_add(1, Ordering::Relaxed)));
         Ok(Write::Done)
     }
 }

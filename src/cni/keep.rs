@@ -1,0 +1,287 @@
+//! Addresses that stay past a pod. An ADD on a network that keeps addresses reads its pod, then
+//! gives the attachment its holder: the IPAMClaim its network-selection element refers to
+//! (`allowPersistentIPs`), else its StatefulSet (`sticky_statefulset`). A claim's `status.ips` are
+//! the addresses to give again; after a first allocation they are written there, with the pod and
+//! the `IPsAllocated` condition.
+
+use std::net::IpAddr;
+
+use serde::Deserialize;
+
+use super::Request;
+use super::protocol::{CniError, Code};
+use super::requested::{self, Requested};
+use crate::alloc::{Attachment, Holder};
+use crate::crd::{ClaimCondition, IPAMClaim, IPAMClaimStatus, OwnerPod};
+use crate::store::{Datastore, NETWORKS_ANNOTATION, StoreError, Write};
+
+/// The attachment with its holder, and the claim behind it, if any.
+pub struct Kept {
+    pub who: Attachment,
+    pub claim: Option<IPAMClaim>,
+}
+
+/// Reads what keeps this ADD's addresses (nothing is read on networks that keep none).
+pub async fn resolve<S: Datastore>(store: &S, req: &Request) -> Result<Kept, CniError> {
+    let mut who = req.attachment.clone();
+    if !req.keep.sticky_statefulset && !req.keep.persistent_ips {
+        return Ok(Kept { who, claim: None });
+    }
+    let (ns, name) = (&req.args.pod_namespace, &req.args.pod_name);
+    let pod = store
+        .get_pod(ns, name)
+        .await
+        .map_err(datastore)?
+        .ok_or_else(|| {
+            CniError::new(
+                Code::TryAgainLater,
+                format!(
+                    "pod {ns}/{name} is not in the API server: cannot tell which addresses it keeps"
+                ),
+            )
+        })?;
+    if req.keep.persistent_ips
+        && let Some(claim_name) = claim_reference(pod.networks.as_deref(), &who.ifname)?
+    {
+        let claim = store
+            .get_ipam_claim(ns, &claim_name)
+            .await
+            .map_err(datastore)?
+            .ok_or_else(|| {
+                CniError::new(
+                    Code::TryAgainLater,
+                    format!("IPAMClaim {ns}/{claim_name}, which pod {ns}/{name} refers to for interface {}, does not exist", who.ifname),
+                )
+            })?;
+        who.holder = Holder::Claim(format!("{ns}/{claim_name}"));
+        return Ok(Kept {
+            who,
+            claim: Some(claim),
+        });
+    }
+    if req.keep.sticky_statefulset
+        && let Some(statefulset) = pod.statefulset
+    {
+        who.holder = Holder::StatefulSet(statefulset);
+    }
+    Ok(Kept { who, claim: None })
+}
+
+/// One network-selection element, as far as claims go.
+#[derive(Deserialize)]
+struct Selection {
+    #[serde(default)]
+    interface: Option<String>,
+    #[serde(rename = "ipam-claim-reference", default)]
+    claim: Option<String>,
+}
+
+/// The `ipam-claim-reference` of the pod's network-selection element for interface `ifname`.
+/// Multus names an element's interface `net<position>` when it does not say, so both count. The
+/// annotation's short form (`a,ns/b@eth1`) refers to no claims.
+pub fn claim_reference(networks: Option<&str>, ifname: &str) -> Result<Option<String>, CniError> {
+    let Some(text) = networks.map(str::trim).filter(|t| t.starts_with('[')) else {
+        return Ok(None);
+    };
+    let elements: Vec<Selection> = serde_json::from_str(text).map_err(|e| {
+        CniError::new(
+            Code::InvalidConfig,
+            format!("pod annotation {NETWORKS_ANNOTATION} is not a list of network-selection elements: {e}"),
+        )
+    })?;
+    Ok(elements
+        .into_iter()
+        .enumerate()
+        .find(|(i, e)| {
+            e.interface
+                .clone()
+                .unwrap_or_else(|| format!("net{}", i + 1))
+                == ifname
+        })
+        .and_then(|(_, e)| e.claim)
+        .filter(|c| !c.is_empty()))
+}
+
+/// The claim's `status.ips` as requested addresses.
+pub fn claimed(claim: &IPAMClaim) -> Result<Vec<Requested>, CniError> {
+    let ips = claim
+        .status
+        .as_ref()
+        .map(|s| s.ips.as_slice())
+        .unwrap_or_default();
+    ips.iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let ip = requested::parse(text).ok_or_else(|| {
+                CniError::new(
+                    Code::InvalidConfig,
+                    format!(
+                        "IPAMClaim {} status.ips[{i}]: {text:?} is not an IP address",
+                        key(claim)
+                    ),
+                )
+            })?;
+            Ok(Requested {
+                field: format!("IPAMClaim {} status.ips[{i}]", key(claim)),
+                ip,
+            })
+        })
+        .collect()
+}
+
+/// Records a successful allocation on the claim: its addresses (with their prefix lengths), the
+/// pod, and `IPsAllocated`. Nothing is written when the claim already says all that. A claim
+/// another ADD wrote meanwhile is a retry: that ADD's addresses are the claim's.
+pub async fn record<S: Datastore>(
+    store: &S,
+    claim: &IPAMClaim,
+    ips: &[ipnet::IpNet],
+    pod: &str,
+) -> Result<(), CniError> {
+    let mut status = claim.status.clone().unwrap_or_default();
+    let texts: Vec<String> = ips.iter().map(ToString::to_string).collect();
+    let owner = Some(OwnerPod {
+        name: pod.to_owned(),
+    });
+    let allocated = condition(
+        "True",
+        "SuccessfulAllocation",
+        "addresses allocated by whereabouts",
+    );
+    if status.ips == texts && status.owner_pod == owner && has_condition(&status, &allocated) {
+        return Ok(());
+    }
+    status.ips = texts;
+    status.owner_pod = owner;
+    set_condition(&mut status, allocated);
+    match store
+        .write_ipam_claim_status(claim, &status)
+        .await
+        .map_err(datastore)?
+    {
+        Write::Done => Ok(()),
+        _ => Err(CniError::new(
+            Code::TryAgainLater,
+            format!(
+                "IPAMClaim {} changed while its addresses were allocated; retrying takes the claim's addresses",
+                key(claim)
+            ),
+        )),
+    }
+}
+
+/// Says on the claim why its addresses could not be given (best effort: the ADD's own error is
+/// what the runtime reports).
+pub async fn report_failure<S: Datastore>(store: &S, claim: &IPAMClaim, error: &CniError) {
+    let reason = match error.code {
+        Code::Exhausted => "SubnetExhausted",
+        Code::AddressUnavailable => "IPAddressConflict",
+        _ => "InternalError",
+    };
+    let mut status = claim.status.clone().unwrap_or_default();
+    set_condition(&mut status, condition("False", reason, &error.msg));
+    if let Err(e) = store.write_ipam_claim_status(claim, &status).await {
+        tracing::warn!(claim = %key(claim), error = %e, "could not report the failure on the IPAMClaim");
+    }
+}
+
+fn condition(status: &str, reason: &str, message: &str) -> ClaimCondition {
+    ClaimCondition {
+        type_: "IPsAllocated".into(),
+        status: status.into(),
+        reason: reason.into(),
+        message: message.into(),
+        last_transition_time: now_rfc3339(),
+        observed_generation: None,
+    }
+}
+
+fn has_condition(status: &IPAMClaimStatus, c: &ClaimCondition) -> bool {
+    status
+        .conditions
+        .iter()
+        .any(|o| o.type_ == c.type_ && o.status == c.status && o.reason == c.reason)
+}
+
+/// Replaces the condition of the same type; its transition time moves only when its status does.
+fn set_condition(status: &mut IPAMClaimStatus, mut c: ClaimCondition) {
+    if let Some(old) = status.conditions.iter_mut().find(|o| o.type_ == c.type_) {
+        if old.status == c.status {
+            c.last_transition_time = old.last_transition_time.clone();
+        }
+        *old = c;
+    } else {
+        status.conditions.push(c);
+    }
+}
+
+fn now_rfc3339() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
+fn key(claim: &IPAMClaim) -> String {
+    format!(
+        "{}/{}",
+        claim.metadata.namespace.as_deref().unwrap_or_default(),
+        claim.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+fn datastore(e: StoreError) -> CniError {
+    CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
+}
+
+/// The address of `ip` in the result's form, for a claim's status.
+pub fn with_prefix(ip: IpAddr, prefix: u8) -> ipnet::IpNet {
+    ipnet::IpNet::new(ip, prefix).expect("prefix of the range")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_element_of_the_interface_names_the_claim() {
+        let text = r#"[{"name":"other"},{"name":"tenant","ipam-claim-reference":"vm1.tenant"},
+            {"name":"x","interface":"eth7","ipam-claim-reference":"vm1.x"}]"#;
+        let got = |ifname| claim_reference(Some(text), ifname).unwrap();
+        assert_eq!(got("net2").as_deref(), Some("vm1.tenant"));
+        assert_eq!(got("eth7").as_deref(), Some("vm1.x"));
+        assert_eq!(got("net1"), None);
+        assert_eq!(got("net3"), None, "the third element names its interface");
+        assert_eq!(claim_reference(Some("a,ns/b@net2"), "net2").unwrap(), None);
+        assert_eq!(claim_reference(None, "net1").unwrap(), None);
+        let e = claim_reference(Some("[{"), "net1").unwrap_err();
+        assert!(
+            e.msg
+                .starts_with("pod annotation k8s.v1.cni.cncf.io/networks is not"),
+            "{}",
+            e.msg
+        );
+    }
+
+    #[test]
+    fn conditions_keep_their_transition_time_while_unchanged() {
+        let mut status = IPAMClaimStatus::default();
+        let mut first = condition("True", "SuccessfulAllocation", "m");
+        first.last_transition_time = "2020-01-01T00:00:00Z".into();
+        set_condition(&mut status, first);
+        set_condition(
+            &mut status,
+            condition("True", "SuccessfulAllocation", "again"),
+        );
+        assert_eq!(status.conditions.len(), 1);
+        assert_eq!(
+            status.conditions[0].last_transition_time,
+            "2020-01-01T00:00:00Z"
+        );
+        set_condition(&mut status, condition("False", "SubnetExhausted", "full"));
+        assert_eq!(status.conditions.len(), 1);
+        assert_ne!(
+            status.conditions[0].last_transition_time,
+            "2020-01-01T00:00:00Z"
+        );
+    }
+}
