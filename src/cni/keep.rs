@@ -130,45 +130,65 @@ pub fn claimed(claim: &IPAMClaim) -> Result<Vec<Requested>, CniError> {
 }
 
 /// Records a successful allocation on the claim: its addresses (with their prefix lengths), the
-/// pod, and `IPsAllocated`. Nothing is written when the claim already says all that. A claim
-/// another ADD wrote meanwhile is a retry: that ADD's addresses are the claim's.
+/// pod, and `IPsAllocated`. Nothing is written when the claim already says all that. Written at
+/// the version read; when another ADD wrote the claim meanwhile (the other pod of a live
+/// migration), it is read again and written again if it still holds these addresses, else this
+/// ADD fails to be retried: the addresses the claim records are the claim's.
 pub async fn record<S: Datastore>(
     store: &S,
     claim: &IPAMClaim,
     ips: &[ipnet::IpNet],
     pod: &str,
 ) -> Result<(), CniError> {
-    let mut status = claim.status.clone().unwrap_or_default();
     let texts: Vec<String> = ips.iter().map(ToString::to_string).collect();
-    let owner = Some(OwnerPod {
-        name: pod.to_owned(),
-    });
-    let allocated = condition(
-        "True",
-        "SuccessfulAllocation",
-        "addresses allocated by whereabouts",
-    );
-    if status.ips == texts && status.owner_pod == owner && has_condition(&status, &allocated) {
-        return Ok(());
+    let mut claim = claim.clone();
+    for _ in 0..RECORD_ATTEMPTS {
+        let mut status = claim.status.clone().unwrap_or_default();
+        if !status.ips.is_empty() && status.ips != texts {
+            break;
+        }
+        let owner = Some(OwnerPod {
+            name: pod.to_owned(),
+        });
+        let allocated = condition(
+            "True",
+            "SuccessfulAllocation",
+            "addresses allocated by whereabouts",
+        );
+        if status.ips == texts && status.owner_pod == owner && has_condition(&status, &allocated) {
+            return Ok(());
+        }
+        status.ips = texts.clone();
+        status.owner_pod = owner;
+        set_condition(&mut status, allocated);
+        if store
+            .write_ipam_claim_status(&claim, &status)
+            .await
+            .map_err(datastore)?
+            == Write::Done
+        {
+            return Ok(());
+        }
+        let (ns, name) = (
+            claim.metadata.namespace.clone().unwrap_or_default(),
+            claim.metadata.name.clone().unwrap_or_default(),
+        );
+        match store.get_ipam_claim(&ns, &name).await.map_err(datastore)? {
+            Some(fresh) => claim = fresh,
+            None => break,
+        }
     }
-    status.ips = texts;
-    status.owner_pod = owner;
-    set_condition(&mut status, allocated);
-    match store
-        .write_ipam_claim_status(claim, &status)
-        .await
-        .map_err(datastore)?
-    {
-        Write::Done => Ok(()),
-        _ => Err(CniError::new(
-            Code::TryAgainLater,
-            format!(
-                "IPAMClaim {} changed while its addresses were allocated; retrying takes the claim's addresses",
-                key(claim)
-            ),
-        )),
-    }
+    Err(CniError::new(
+        Code::TryAgainLater,
+        format!(
+            "IPAMClaim {} changed while its addresses were allocated; retrying takes the claim's addresses",
+            key(&claim)
+        ),
+    ))
 }
+
+/// Writes of a claim's status lost to other writers before an ADD gives up (and is retried).
+const RECORD_ATTEMPTS: usize = 5;
 
 /// Says on the claim why its addresses could not be given (best effort: the ADD's own error is
 /// what the runtime reports).

@@ -93,12 +93,13 @@ pub(super) async fn slice_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
     }
 }
 
-/// How often held addresses are checked against their holders.
-const HOLDER_PERIOD: Duration = Duration::from_secs(30);
+/// How often held addresses are checked against their holders when nothing wakes the check.
+const HOLDER_PERIOD: Duration = Duration::from_secs(60);
 
-/// Addresses held by StatefulSets and IPAMClaims, freed when their holder goes. Never decided
-/// from partial lists: that would free kept addresses.
-pub(super) async fn holder_loop(ctx: Arc<Context>) {
+/// Addresses held by StatefulSets and IPAMClaims, freed when their holder goes; woken by
+/// StatefulSet and IPAMClaim changes and pod deletions. Never decided from partial lists: that
+/// would free kept addresses.
+pub(super) async fn holder_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
     let _ = tokio::join!(
         ctx.caches.statefulsets.wait_until_ready(),
         ctx.caches.claims.wait_until_ready()
@@ -113,6 +114,8 @@ pub(super) async fn holder_loop(ctx: Arc<Context>) {
             ctx.metrics
                 .observe_reconcile("holders", result.is_ok(), started.elapsed());
         }
-        tokio::time::sleep(HOLDER_PERIOD).await;
+        let _ = tokio::time::timeout(HOLDER_PERIOD, changed.notified()).await;
+        // Coalesces a burst (a StatefulSet scaled down by many replicas).
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

@@ -239,14 +239,13 @@ pub async fn run(
     // Node slices are planned again when a node comes or goes, their objects change, or after
     // every NAD pass.
     let slices_changed = Arc::new(Notify::new());
+    let holders_changed = Arc::new(Notify::new());
     let namespace = opts.pool_namespace.clone();
-    let watches = watches::all(
-        client.clone(),
-        &namespace,
-        writers,
-        jobs_tx.clone(),
-        slices_changed.clone(),
-    );
+    let wakes = watches::Wakes {
+        slices: slices_changed.clone(),
+        holders: holders_changed.clone(),
+    };
+    let watches = watches::all(client.clone(), &namespace, writers, jobs_tx.clone(), wakes);
 
     let (leader, election) = elect(&client, &opts, &metrics).await?;
     health.election_running.store(true, Ordering::Relaxed);
@@ -256,7 +255,7 @@ pub async fn run(
         ctx.clone(),
         health,
         (jobs_tx, jobs_rx),
-        (nad_changed, slices_changed),
+        [nad_changed, slices_changed, holders_changed],
     );
     tokio::select! {
         () = watches => {}
@@ -276,7 +275,7 @@ async fn run_loops(
     ctx: Arc<Context>,
     health: Arc<Health>,
     (jobs_tx, jobs_rx): (mpsc::UnboundedSender<Job>, mpsc::UnboundedReceiver<Job>),
-    (nad_changed, slices_changed): (Arc<Notify>, Arc<Notify>),
+    [nad_changed, slices_changed, holders_changed]: [Arc<Notify>; 3],
 ) {
     caches_synced(ctx.clone(), health).await;
     tokio::join!(
@@ -284,7 +283,7 @@ async fn run_loops(
         loops::audit_loop(ctx.clone()),
         loops::nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
         loops::slice_loop(ctx.clone(), slices_changed),
-        loops::holder_loop(ctx)
+        loops::holder_loop(ctx, holders_changed)
     );
 }
 

@@ -30,16 +30,24 @@ pub(super) struct Writers {
     pub claims: reflector::store::Writer<IPAMClaim>,
 }
 
+/// What the watches wake: the node slice planner, and the check of held addresses.
+pub(super) struct Wakes {
+    pub slices: Arc<Notify>,
+    pub holders: Arc<Notify>,
+}
+
 /// Runs every watch; returns (after logging which) if one ever ends. Pod events queue cleanup
-/// jobs on `jobs`; Node and NodeSlicePool changes notify `slices_changed`.
+/// jobs on `jobs`; Node and NodeSlicePool changes wake the slice planner; StatefulSet and
+/// IPAMClaim changes, and pod deletions, wake the check of held addresses.
 pub(super) async fn all(
     client: Client,
     namespace: &str,
     w: Writers,
     jobs: mpsc::UnboundedSender<Job>,
-    slices_changed: Arc<Notify>,
+    wakes: Wakes,
 ) {
-    let pod_events = pod_events(client.clone(), w.pods, jobs);
+    let slices_changed = wakes.slices;
+    let pod_events = pod_events(client.clone(), w.pods, jobs, wakes.holders.clone());
     let pool_watch = logged_watch(
         Api::<IPPool>::namespaced(client.clone(), namespace),
         w.pools,
@@ -59,22 +67,30 @@ pub(super) async fn all(
         slices_changed.clone(),
         node_set_changes(),
     );
-    let statefulset_watch = watcher(
-        Api::<StatefulSet>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(holders::trim_statefulset)
-    .reflect(w.statefulsets)
-    .for_each(|e| log_watch_error("statefulset", e));
-    let claim_watch = watcher(
-        Api::<IPAMClaim>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(holders::trim_claim)
-    .reflect(w.claims)
-    .for_each(|e| log_watch_error("ipamclaim", e));
+    let statefulset_watch = notifying_watch(
+        watcher(
+            Api::<StatefulSet>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(holders::trim_statefulset)
+        .reflect(w.statefulsets),
+        "statefulset",
+        wakes.holders.clone(),
+        any_change,
+    );
+    let claim_watch = notifying_watch(
+        watcher(
+            Api::<IPAMClaim>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(holders::trim_claim)
+        .reflect(w.claims),
+        "ipamclaim",
+        wakes.holders,
+        any_change,
+    );
     let slice_watch = notifying_watch(
         watcher(
             Api::<NodeSlicePool>::namespaced(client, namespace),
@@ -105,12 +121,17 @@ fn pod_events(
     client: Client,
     writer: reflector::store::Writer<Pod>,
     tx: mpsc::UnboundedSender<Job>,
+    holders_changed: Arc<Notify>,
 ) -> impl std::future::Future<Output = ()> {
     let pod_watch = watcher(Api::<Pod>::all(client), watcher::Config::default())
         .default_backoff()
         .modify(cleanup::trim)
         .reflect(writer);
     pod_watch.for_each(move |event| {
+        if let Ok(watcher::Event::Delete(_)) = &event {
+            // A StatefulSet scaled down frees its ordinals' addresses once their pods are gone.
+            holders_changed.notify_one();
+        }
         if let Some(job) = due_job(&event) {
             let _ = tx.send(job);
         }

@@ -50,6 +50,7 @@ pub fn admin_kubeconfig() -> &'static Path {
             "ippools.whereabouts.cni.cncf.io",
             "overlappingrangeipreservations.whereabouts.cni.cncf.io",
             "network-attachment-definitions.k8s.cni.cncf.io",
+            "ipamclaims.k8s.cni.cncf.io",
         ] {
             let wait = kubectl_raw(
                 &path,

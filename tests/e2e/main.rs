@@ -5,6 +5,7 @@ mod agent;
 mod cni;
 mod harness;
 mod install;
+mod keep;
 mod metrics;
 mod netns;
 mod operator;
