@@ -156,7 +156,8 @@ setup_host() {
 }
 
 # The pod networks: eth0 from bridge wab0, eth1 from bridge wab1, both with our IPAM. containerd
-# loads up to max_conf_num configs, in file name order, as eth0, eth1, ...
+# loads up to max_conf_num configs, in file name order, as eth0, eth1, ... On eth1 a StatefulSet
+# pod keeps its address (sticky_statefulset): the plugin reads the pod with the node's identity.
 write_cni_configs() {
   mkdir -p "$NODE_DIR/net.d"
   cat > "$NODE_DIR/net.d/10-wab-pods.conflist" <<EOF
@@ -171,7 +172,8 @@ EOF
     cat > "$NODE_DIR/net.d/20-wab-net2.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "wab-net2", "plugins": [
   {"type": "bridge", "bridge": "$NET2_BRIDGE", "isGateway": false, "ipMasq": false,
-   "ipam": {"type": "whereabouts", "range": "$NET2_CIDR", "range_start": "10.86.0.10"}}
+   "ipam": {"type": "whereabouts", "range": "$NET2_CIDR", "range_start": "10.86.0.10",
+            "sticky_statefulset": true}}
 ]}
 EOF
   else

@@ -250,6 +250,10 @@ fn a_statefulset_pod_keeps_its_address_through_a_force_delete_and_loses_it_on_sc
             .any(|a| a == "10.162.0.1/27" || a == "10.162.0.2/27"),
         "{flooded:?}"
     );
+    // Upstream's writes of the pool kept the fields it does not know.
+    let pool = ns.allocations("10.162.0.0-27");
+    assert_eq!(pool["1"]["statefulset"], "web", "{:?}", pool["1"]);
+    assert_eq!(pool["2"]["statefulset"], "web", "{:?}", pool["2"]);
     // The replacement gets its address back.
     assert_eq!(
         add(&ns, &conf, "web-0", &fresh["web-0"]).addresses(),

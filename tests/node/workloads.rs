@@ -1,5 +1,6 @@
 //! Real pods through the real runtime: a Deployment of 60 and back to 0, and the StatefulSet
-//! replacement that upstream's cleanup got wrong.
+//! replacement that upstream's cleanup got wrong, whose eth1 address (`sticky_statefulset`)
+//! stays with its ordinal until the StatefulSet scales below it.
 
 use std::collections::BTreeSet;
 
@@ -65,6 +66,19 @@ spec:
         .map(|e| e.2)
         .collect();
     assert_eq!(old_containers.len(), 1);
+    let sticky_of = |pod: &str| {
+        entries_of(NET2_POOL, &w.ns)
+            .into_iter()
+            .find(|e| e.0 == format!("{}/{pod}", w.ns))
+            .map(|e| e.1)
+    };
+    let old_eth1 = sticky_of("web-1").expect("web-1 has an eth1 entry");
+    let held = crate::cluster::pool_entries(NET2_POOL);
+    assert_eq!(
+        held[&old_eth1]["statefulset"], "web",
+        "{:?}",
+        held[&old_eth1]
+    );
 
     crate::cluster::kubectl_ok(&["-n", &w.ns, "delete", "pod", "web-1", "--wait=false"]);
     // The replacement has the same name and a new UID.
@@ -90,4 +104,25 @@ spec:
         now.is_disjoint(&old_containers),
         "the old sandbox {old_containers:?} still holds an entry: {now:?}"
     );
+    // On eth1 the replacement has its predecessor's address: the ordinal kept it.
+    assert_eq!(sticky_of("web-1").as_deref(), Some(old_eth1.as_str()));
+    // Scaled to two, web-2's eth1 address is freed by the operator once the pod is gone.
+    let web2 = sticky_of("web-2").expect("web-2 has an eth1 entry");
+    w.scale("statefulset/web", 2);
+    wait_until(
+        120,
+        "web-2's sticky eth1 address freed",
+        || match crate::cluster::pool_entries(NET2_POOL).get(&web2) {
+            Some(e) if e["podref"] == format!("{}/web-2", w.ns) => Err(format!("held: {e}")),
+            _ => Ok(()),
+        },
+    );
+    assert!(
+        w.events("HeldAddressReleased")
+            .iter()
+            .any(|n| n.contains("has 2 replicas")),
+        "{:?}",
+        w.events("HeldAddressReleased")
+    );
+    assert_eq!(sticky_of("web-1").as_deref(), Some(old_eth1.as_str()));
 }
