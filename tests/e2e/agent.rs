@@ -409,3 +409,60 @@ fn the_agent_refuses_bad_requests_and_non_root_callers() {
     assert_eq!(r.addresses(), ["10.43.0.1/24"]);
     assert_eq!(agent.served(), 1, "{}", agent.log());
 }
+
+/// Requested and claimed addresses through the agent: the agent reads the pod and the claim
+/// and writes the claim's status with its own client, and its groups of dynamic ADDs never take
+/// them.
+#[test]
+fn the_agent_serves_requested_and_claimed_addresses() {
+    let ns = Ns::new("agent-keep");
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(&ns, dir.path(), SERVED);
+    let mut conf = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.164.0.0/27", "allowPersistentIPs": true}),
+        SERVED,
+        &agent.socket,
+    );
+    conf["runtimeConfig"] = json!({"ips": ["10.164.0.2/27"]});
+    let uid = ns.create_pod("fixed", &Default::default());
+    assert_eq!(
+        ns.cni("ADD", &conf, "c-fixed", "net1", "fixed", &uid)
+            .addresses(),
+        ["10.164.0.2/27"]
+    );
+    conf.as_object_mut().unwrap().remove("runtimeConfig");
+    let claim = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+        "metadata": {"name": "vm.e2e-net", "namespace": ns.name}, "spec": {"network": "e2e-net", "interface": "net1"}});
+    assert!(ns.apply(&claim.to_string()).status.success());
+    let networks = json!([{"name": "e2e-net", "ipam-claim-reference": "vm.e2e-net"}]).to_string();
+    let annotations = [("k8s.v1.cni.cncf.io/networks".to_owned(), networks)].into();
+    let uid = ns.create_pod("launcher", &annotations);
+    let claimed = ns
+        .cni("ADD", &conf, "c-launcher", "net1", "launcher", &uid)
+        .addresses();
+    assert_eq!(claimed, ["10.164.0.1/27"]);
+    let status = ns.get_json(&["ipamclaim", "vm.e2e-net"]).unwrap()["status"].clone();
+    assert_eq!(status["ips"], json!(claimed));
+    assert!(
+        ns.cni("DEL", &conf, "c-launcher", "net1", "launcher", &uid)
+            .ok
+    );
+    assert_eq!(agent.served(), 3, "{}", agent.log());
+    // A burst through the agent's groups: the requested and the claimed addresses stay out of it.
+    for i in 0..20 {
+        ns.create_pod(&format!("pod{i}"), &Default::default());
+    }
+    let burst: BTreeSet<String> = ns
+        .cni_pods("ADD", &conf, 0..20)
+        .iter()
+        .map(|r| r.addresses()[0].clone())
+        .collect();
+    assert_eq!(burst.len(), 20);
+    assert!(
+        !burst.contains("10.164.0.1/27") && !burst.contains("10.164.0.2/27"),
+        "{burst:?}"
+    );
+    assert_eq!(ns.allocations("10.164.0.0-27").len(), 22);
+}
