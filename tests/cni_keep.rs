@@ -599,3 +599,12 @@ async fn concurrent_requested_and_dynamic_adds_never_share_an_address() {
         assert!(msg.contains(&format!("held by pod ns/p{holder} ")), "{msg}");
     }
 }
+
+#[tokio::test]
+async fn the_plugin_refuses_addresses_that_stay_in_node_slices() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/16", "node_slice_size": "/24", "sticky_statefulset": true});
+    let e = add(&store, &ipam, "web-0", "c0").await.unwrap_err();
+    assert_eq!(e.code, Code::InvalidConfig);
+    assert!(e.msg.starts_with("invalid whereabouts config: ipam.sticky_statefulset cannot be combined with node_slice_size"), "{}", e.msg);
+}

@@ -442,3 +442,31 @@ fn allow_persistent_ips_at_the_top_level_must_be_a_boolean() {
         [r#"allowPersistentIPs "true" must be true or false"#]
     );
 }
+
+#[test]
+fn addresses_that_follow_a_pod_cannot_live_in_node_slices() {
+    let nad = |config: Value| {
+        whereabouts::nad_check::check_spec_config(&config.to_string())
+            .errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+    };
+    let sliced = json!({"type": "whereabouts", "range": "10.0.0.0/16", "node_slice_size": "/24", "sticky_statefulset": true});
+    let e = nad(json!({"cniVersion": "1.0.0", "name": "n", "type": "macvlan", "ipam": sliced}));
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(
+        e[0].starts_with(
+            "ipam.sticky_statefulset cannot be combined with node_slice_size (ipam.range is sliced)"
+        ),
+        "{e:?}"
+    );
+    let claims = json!({"type": "whereabouts", "range": "10.0.0.0/16", "node_slice_size": "/24"});
+    let e = nad(
+        json!({"cniVersion": "1.0.0", "name": "n", "type": "macvlan", "allowPersistentIPs": true, "ipam": claims}),
+    );
+    assert!(
+        e[0].starts_with("ipam.allowPersistentIPs cannot be combined"),
+        "{e:?}"
+    );
+}

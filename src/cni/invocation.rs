@@ -12,7 +12,7 @@ use super::{requested, slices};
 use crate::alloc::{Attachment, Target};
 use crate::config::netconf::one_address_per_family;
 use crate::config::{
-    IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat,
+    IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat, kept_in_slices_problem,
     node_slice_pool_problem, problem, result_shape_problem, validate_ipam,
 };
 
@@ -183,6 +183,12 @@ impl Invocation {
                     CniError::new(Code::InvalidConfig, format!("invalid network config: {p}"))
                 })?,
         };
+        if let Some(p) = kept_in_slices_problem(prefix, keep.persistent_ips, &ipam) {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                format!("invalid whereabouts config: {p}"),
+            ));
+        }
         let requested = if command == Command::Add {
             requested::assign(&ipam.ranges, &requested)?
         } else {

@@ -7,7 +7,8 @@ pub mod problem;
 
 pub use ipam::{
     DEFAULT_AGENT_SOCKET, IpamConfig, NodeSlice, RangeConfig, Source, StaticAddress, Validated,
-    node_slice_base, node_slice_pool_problem, result_shape_problem, validate_ipam,
+    kept_in_slices_problem, node_slice_base, node_slice_pool_problem, result_shape_problem,
+    validate_ipam,
 };
 pub use netconf::NetConf;
 pub use problem::Problem;

@@ -16,8 +16,8 @@ mod report;
 use serde_json::Value;
 
 use crate::config::{
-    NetConf, NodeSlice, Problem, Source, node_slice_base, node_slice_pool_problem,
-    result_shape_problem, validate_ipam,
+    NetConf, NodeSlice, Problem, Source, kept_in_slices_problem, node_slice_base,
+    node_slice_pool_problem, result_shape_problem, validate_ipam,
 };
 use crate::ipam::AddrRange;
 use crate::ipam::naming::node_slice_pool_name;
@@ -101,6 +101,12 @@ pub fn check_spec_config(config: &str) -> NadCheck {
                 .extend(result_shape_problem(&conf.cni_version, &prefix, &cfg));
             out.errors
                 .extend(node_slice_pool_problem(&prefix, &conf.name, &cfg));
+            let persistent = conf.allow_persistent_ips().unwrap_or(false);
+            out.errors.extend(kept_in_slices_problem(
+                &prefix,
+                persistent || cfg.allow_persistent_ips,
+                &cfg,
+            ));
             let base = node_slice_base(&conf.name, &cfg);
             for (i, r) in cfg.ranges.into_iter().enumerate() {
                 let slices = r

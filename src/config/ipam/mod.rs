@@ -106,6 +106,32 @@ pub fn node_slice_pool_problem(prefix: &str, conf_name: &str, cfg: &IpamConfig) 
     ))
 }
 
+/// Addresses that follow a pod (`sticky_statefulset`, IPAMClaims with `persistent_ips`) cannot
+/// live in node slices: a node allocates only from its own slices, and a pod that comes back on
+/// another node could not take its address along. The plugin and the validator refuse the mix
+/// with the same words.
+pub fn kept_in_slices_problem(
+    prefix: &str,
+    persistent_ips: bool,
+    cfg: &IpamConfig,
+) -> Option<Problem> {
+    let sliced = cfg.ranges.iter().find(|r| r.node_slice.is_some())?;
+    let key = if cfg.sticky_statefulset {
+        "sticky_statefulset"
+    } else if persistent_ips {
+        "allowPersistentIPs"
+    } else {
+        return None;
+    };
+    Some(Problem::at(
+        format!("{prefix}.{key}"),
+        format!(
+            "cannot be combined with node_slice_size ({} is sliced): a node allocates only from its own slices, so a pod that comes back on another node could not keep its address",
+            sliced.path
+        ),
+    ))
+}
+
 /// The NodeSlicePool base name: `network_name`, else the network config's `name` (upstream).
 pub fn node_slice_base(conf_name: &str, cfg: &IpamConfig) -> String {
     match cfg.network_name.as_deref() {
