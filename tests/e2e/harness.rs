@@ -434,6 +434,22 @@ impl OperatorProcess {
         }
     }
 
+    /// A ready operator for `ns` alone: its pools in the namespace, no election, no periodic
+    /// audit to interfere.
+    pub fn for_namespace(ns: &Ns) -> OperatorProcess {
+        let mut op = OperatorProcess::start(
+            ns.dir.path(),
+            "op",
+            &[
+                format!("--pool-namespace={}", ns.name),
+                "--leader-election=false".into(),
+                "--audit-interval=1h".into(),
+            ],
+        );
+        op.wait_ready();
+        op
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

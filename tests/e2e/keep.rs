@@ -54,20 +54,6 @@ fn error_code(c: &Cni) -> u64 {
     c.stdout["code"].as_u64().unwrap_or_default()
 }
 
-fn operator(ns: &Ns) -> OperatorProcess {
-    let mut op = OperatorProcess::start(
-        ns.dir.path(),
-        "op",
-        &[
-            format!("--pool-namespace={}", ns.name),
-            "--leader-election=false".into(),
-            "--audit-interval=1h".into(),
-        ],
-    );
-    op.wait_ready();
-    op
-}
-
 fn events(ns: &Ns, reason: &str) -> Vec<String> {
     ns.get_json(&["events.v1.events.k8s.io"])
         .map(|l| {
@@ -173,7 +159,7 @@ fn wait_for_pods(ns: &Ns, want: &[&str]) -> BTreeMap<String, String> {
 #[test]
 fn a_statefulset_pod_keeps_its_address_through_a_force_delete_and_loses_it_on_scale_down() {
     let ns = Ns::new("sticky");
-    let _op = operator(&ns);
+    let _op = OperatorProcess::for_namespace(&ns);
     let sts = json!({"apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": "web", "namespace": ns.name},
         "spec": {"replicas": 2, "serviceName": "web", "podManagementPolicy": "Parallel", "selector": {"matchLabels": {"app": "web"}},
@@ -298,7 +284,7 @@ fn vm_pod(ns: &Ns, pod: &str, claim: &str) -> String {
 #[test]
 fn an_ipamclaim_keeps_its_addresses_across_pods_until_it_is_deleted() {
     let ns = Ns::new("ipamclaim");
-    let _op = operator(&ns);
+    let _op = OperatorProcess::for_namespace(&ns);
     let claim = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
         "metadata": {"name": "vm1.e2e-net", "namespace": ns.name},
         "spec": {"network": "e2e-net", "interface": "net1"}});

@@ -133,20 +133,6 @@ fn pods(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
 }
 
-fn operator(ns: &Ns) -> OperatorProcess {
-    let mut op = OperatorProcess::start(
-        ns.dir.path(),
-        "op",
-        &[
-            format!("--pool-namespace={}", ns.name),
-            "--leader-election=false".into(),
-            "--audit-interval=1h".into(),
-        ],
-    );
-    op.wait_ready();
-    op
-}
-
 fn apply_nad(ns: &Ns, name: &str, ipam: &Value) {
     let mut ipam = ipam.clone();
     ipam["type"] = "whereabouts".into();
@@ -221,7 +207,7 @@ fn each_node_allocates_dual_stack_from_its_own_slices_through_its_agent() {
         {"range": "10.90.0.0/22", "exclude": excludes},
         {"range": "fd00:90::/116", "node_slice_size": "/122"}]});
     apply_nad(&ns, "dual", &ipam);
-    let op = operator(&ns);
+    let op = OperatorProcess::for_namespace(&ns);
     let nodes = [SimNode::new(&ns, "n1", true), SimNode::new(&ns, "n2", true)];
     let v4 = wait_for_slices(&ns, &op, &net, &nodes.iter().collect::<Vec<_>>());
     let v6_name = format!("{net}-fd00-90---116");
@@ -314,7 +300,7 @@ fn a_full_slice_takes_another_and_a_departed_node_is_released_after_draining() {
     let net = ns.name.clone();
     let ipam = json!({"network_name": net, "range": "10.91.0.0/24", "node_slice_size": "28"});
     apply_nad(&ns, "full", &ipam);
-    let op = operator(&ns);
+    let op = OperatorProcess::for_namespace(&ns);
     let n1 = SimNode::new(&ns, "n1", false);
     let first = wait_for_slices(&ns, &op, &net, &[&n1])[&n1.name].clone();
     // A /28 slice gives 14 addresses: 20 ADDs at once need a second slice, taken by the node.
@@ -354,7 +340,7 @@ fn hand_edits_and_deletions_are_repaired_without_a_duplicate() {
     let net = ns.name.clone();
     let ipam = json!({"network_name": net, "range": "10.92.0.0/22", "node_slice_size": "/26"});
     apply_nad(&ns, "edit", &ipam);
-    let op = operator(&ns);
+    let op = OperatorProcess::for_namespace(&ns);
     let (n1, n2) = (
         SimNode::new(&ns, "n1", false),
         SimNode::new(&ns, "n2", false),
@@ -463,7 +449,7 @@ fn upstreams_plugin_and_ours_share_an_upstream_written_node_slice_pool() {
     assert_eq!(first, ["10.93.0.66/22"]);
     // The operator adopts the object as it is (n1 and n2 keep their slices).
     apply_nad(&ns, "up", &ipam);
-    let op = operator(&ns);
+    let op = OperatorProcess::for_namespace(&ns);
     std::thread::sleep(std::time::Duration::from_secs(2));
     let s = slices_of(&ns, &net);
     assert_eq!(s[&n1.name], ["10.93.0.64/26"], "{}", op.log());
@@ -510,7 +496,7 @@ fn more_nodes_than_slices_is_a_warning_event_and_a_metric() {
     // Two slices: the two nodes here and any of tests running alongside cannot all have one.
     let ipam = json!({"network_name": net, "range": "10.94.0.0/24", "node_slice_size": "/25"});
     apply_nad(&ns, "tiny", &ipam);
-    let op = operator(&ns);
+    let op = OperatorProcess::for_namespace(&ns);
     let _nodes: Vec<SimNode> = ["n1", "n2", "n3"]
         .iter()
         .map(|n| SimNode::new(&ns, n, false))
