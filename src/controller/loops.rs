@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::{Context, audit, holders, nads, slices};
+use super::{Context, audit, holders, nads, slices, status};
 
 pub(super) async fn audit_loop(ctx: Arc<Context>) {
     let mut auditor = audit::Auditor::new();
@@ -117,5 +117,25 @@ pub(super) async fn holder_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
         let _ = tokio::time::timeout(HOLDER_PERIOD, changed.notified()).await;
         // Coalesces a burst (a StatefulSet scaled down by many replicas).
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// IPPool status (`kubectl get ippools` columns), from the pool cache: changed pools are written
+/// at most once per `status::MIN_INTERVAL` each.
+pub(super) async fn status_loop(ctx: Arc<Context>) {
+    let mut written = status::Written::default();
+    let mut ticker = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        ticker.tick().await;
+        if !ctx.is_leader() {
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let result = status::reconcile(&ctx, &mut written).await;
+        if let Err(e) = &result {
+            tracing::warn!(error = %e, "pool status update failed");
+        }
+        ctx.metrics
+            .observe_reconcile("pool_status", result.is_ok(), started.elapsed());
     }
 }

@@ -13,6 +13,7 @@ mod loops;
 pub mod nads;
 pub mod pools;
 pub mod slices;
+pub mod status;
 pub mod usage;
 mod watches;
 
@@ -283,7 +284,8 @@ async fn run_loops(
         loops::audit_loop(ctx.clone()),
         loops::nad_loop(ctx.clone(), nad_changed, slices_changed.clone()),
         loops::slice_loop(ctx.clone(), slices_changed),
-        loops::holder_loop(ctx, holders_changed)
+        loops::holder_loop(ctx.clone(), holders_changed),
+        loops::status_loop(ctx)
     );
 }
 

@@ -128,6 +128,7 @@ async fn create(
             range: range.into(),
             allocations: Default::default(),
         },
+        status: None,
     };
     match api.create(&PostParams::default(), &pool).await {
         Ok(_) => {

@@ -160,7 +160,7 @@ pub fn entries_of_pod<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::crd::IPPoolSpec;
 

@@ -53,8 +53,13 @@ impl IPAllocation {
     kind = "IPPool",
     plural = "ippools",
     namespaced,
+    status = "IPPoolStatus",
     doc = "The allocations of one range in one network.",
     printcolumn = r#"{"name":"Range","type":"string","jsonPath":".spec.range"}"#,
+    printcolumn = r#"{"name":"Size","type":"string","jsonPath":".status.size"}"#,
+    printcolumn = r#"{"name":"Allocated","type":"integer","jsonPath":".status.allocated"}"#,
+    printcolumn = r#"{"name":"Free","type":"string","jsonPath":".status.free"}"#,
+    printcolumn = r#"{"name":"Held","type":"integer","priority":1,"jsonPath":".status.held"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 pub struct IPPoolSpec {
@@ -63,6 +68,30 @@ pub struct IPPoolSpec {
     /// Allocated addresses keyed by their decimal offset from the network address.
     #[serde(default)]
     pub allocations: BTreeMap<String, IPAllocation>,
+}
+
+/// What the operator last counted in a pool (at most every few seconds per pool, so a busy pool
+/// is not rewritten for every ADD). A subresource: it never races the plugins' writes of `spec`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct IPPoolStatus {
+    /// Addresses of the range a pod may get: the CIDR less its network and broadcast addresses
+    /// (the NAD's range_start, range_end and exclude narrow this further; see the network metrics).
+    /// A decimal string: an IPv6 range holds more than an integer column can show.
+    pub size: String,
+    /// Entries in `spec.allocations` inside the range.
+    pub allocated: u64,
+    /// `size` less `allocated`, a decimal string.
+    pub free: String,
+    /// Entries kept past their pods: sticky StatefulSet ordinals and IPAMClaims.
+    #[serde(default)]
+    pub held: u64,
+    /// When the operator counted (RFC 3339).
+    #[serde(
+        rename = "lastUpdated",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub last_updated: String,
 }
 
 #[derive(

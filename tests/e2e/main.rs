@@ -10,4 +10,5 @@ mod metrics;
 mod netns;
 mod operator;
 mod slices;
+mod status;
 mod webhook;

@@ -125,6 +125,7 @@ impl Datastore for KubeStore {
                 range: range.to_owned(),
                 allocations: Default::default(),
             },
+            status: None,
         };
         let post = PostParams::default();
         match retrying(|| self.pools.create(&post, &pool)).await {
