@@ -608,3 +608,108 @@ async fn the_plugin_refuses_addresses_that_stay_in_node_slices() {
     assert_eq!(e.code, Code::InvalidConfig);
     assert!(e.msg.starts_with("invalid whereabouts config: ipam.sticky_statefulset cannot be combined with node_slice_size"), "{}", e.msg);
 }
+
+#[tokio::test]
+async fn a_claims_stray_entry_is_let_go_and_its_recorded_addresses_taken() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.6.0/28", "allowPersistentIPs": true});
+    // An ADD that lost the race to record the claim's first address left an entry at .1; the
+    // claim records .2, written with another prefix length.
+    let stray = whereabouts::crd::IPAllocation {
+        id: "c-loser".into(),
+        podref: "ns/launcher-x".into(),
+        ifname: "net1".into(),
+        ipamclaimref: "ns/vm5.net".into(),
+        ..Default::default()
+    };
+    store.put_entry("10.0.6.0-28", "10.0.6.0/28", 1, stray);
+    let mut c = claim("vm5.net");
+    c.status = Some(whereabouts::crd::IPAMClaimStatus {
+        ips: vec!["10.0.6.2/24".into()],
+        ..Default::default()
+    });
+    store.put_ipam_claim(c);
+    vm_pod(&store, "launcher-y", "vm5.net");
+    assert_eq!(
+        add(&store, &ipam, "launcher-y", "c-launcher-y")
+            .await
+            .unwrap(),
+        ["10.0.6.2/28"]
+    );
+    let pool = store.get_pool("10.0.6.0-28").await.unwrap().unwrap();
+    assert_eq!(
+        pool.allocations.keys().copied().collect::<Vec<_>>(),
+        [2],
+        "the stray is gone"
+    );
+    // The status is rewritten in the result's form; the address stays the same.
+    assert_eq!(claim_ips(&store, "ns/vm5.net"), ["10.0.6.2/28"]);
+}
+
+#[tokio::test]
+async fn a_claim_for_another_interface_or_network_is_refused_by_name() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.7.0/28", "allowPersistentIPs": true});
+    let mut c = claim("vm6.net");
+    c.spec.interface = "net2".into();
+    store.put_ipam_claim(c);
+    vm_pod(&store, "launcher", "vm6.net");
+    let e = add(&store, &ipam, "launcher", "c-launcher")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code, Code::InvalidConfig);
+    assert_eq!(
+        e.msg,
+        "IPAMClaim ns/vm6.net is for network \"net\" interface \"net2\", but this ADD is for network \"net\" interface \"net1\""
+    );
+    assert!(
+        store
+            .get_pool("10.0.7.0-28")
+            .await
+            .unwrap()
+            .is_none_or(|p| p.allocations.is_empty())
+    );
+}
+
+#[tokio::test]
+async fn a_sticky_pod_whose_request_changed_moves_to_the_new_address() {
+    let store = MemoryStore::new();
+    let ipam = sticky();
+    statefulset_pod(&store, "web-0", "u-c0");
+    assert_eq!(
+        add_with(&store, &ipam, ips(&["10.0.1.3"]), "web-0", "c0")
+            .await
+            .unwrap(),
+        ["10.0.1.3/29"]
+    );
+    del(&store, &ipam, "web-0", "c0").await;
+    statefulset_pod(&store, "web-0", "u-c1");
+    assert_eq!(
+        add_with(&store, &ipam, ips(&["10.0.1.5"]), "web-0", "c1")
+            .await
+            .unwrap(),
+        ["10.0.1.5/29"]
+    );
+    let pool = store.get_pool("10.0.1.0-29").await.unwrap().unwrap();
+    assert_eq!(pool.allocations.keys().copied().collect::<Vec<_>>(), [5]);
+    assert_eq!(store.reservation_names(), ["10.0.1.5"]);
+}
+
+#[tokio::test]
+async fn a_bad_ips_value_does_not_stop_del() {
+    let store = MemoryStore::new();
+    let ipam = small();
+    add(&store, &ipam, "p", "c").await.unwrap();
+    let bad = json!({"runtimeConfig": {"ips": ["not-an-address"]}});
+    let req = request(Command::Del, &ipam, bad, "p", "c").unwrap();
+    whereabouts::cni::handle(&store, &req).await.unwrap();
+    assert!(
+        store
+            .get_pool("10.0.0.0-29")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .is_empty()
+    );
+}

@@ -41,24 +41,23 @@ impl<S: Datastore> Engine<'_, S> {
         let mut conflicts = 0;
         while conflicts < MAX_CONFLICTS {
             let pool = self.ensure_pool(false).await?;
-            if let Some((held, entry)) = who.held_entry(&pool) {
-                if held != offset && matches!(who.holder, Holder::Claim(_)) {
-                    // An entry of the claim that its status does not list: left by an ADD that
-                    // lost the race to write the claim's status. The status is the claim's truth.
-                    self.release_entries(&[(held, entry.clone())]).await?;
-                    conflicts += 1;
-                    continue;
-                }
-                if held != offset {
-                    let other = self
-                        .target
-                        .ip(held)
-                        .map_or(held.to_string(), |a| a.to_string());
-                    return Err(unavailable(format!(
-                        "is not the address this attachment already holds in pool {}: {other} (delete the pod, or request {other})",
-                        pool.name
-                    )));
-                }
+            // The request is the truth: an entry this attachment (or its claim) holds at another
+            // address is let go (the request changed, or an ADD that lost the race to record a
+            // claim's first addresses left it), then the requested one is taken.
+            let mut strays: Vec<(u128, IPAllocation)> = who
+                .claim_entries(&pool)
+                .chain(who.held_entry(&pool))
+                .filter(|(o, _)| *o != offset)
+                .map(|(o, e)| (o, e.clone()))
+                .collect();
+            if !strays.is_empty() {
+                strays.sort_by_key(|(o, _)| *o);
+                strays.dedup_by_key(|(o, _)| *o);
+                self.release_entries(&strays).await?;
+                conflicts += 1;
+                continue;
+            }
+            if let Some((_, entry)) = who.held_entry(&pool) {
                 match self.reuse(&pool, offset, entry, who).await? {
                     Some(ip) => return Ok(Allocated { ip, conflicts }),
                     None => {
@@ -77,6 +76,15 @@ impl<S: Datastore> Engine<'_, S> {
             };
             let claimed = match pending.iter().find(|p| p.offset == offset) {
                 Some(p) if p.is_of(who) => Some(p.uid.clone()),
+                // Another pod of the same claim is recording it right now (a live migration's
+                // two pods at once): once recorded, it is reused above.
+                Some(p)
+                    if !p.entry.ipamclaimref.is_empty() && Holder::of(&p.entry) == who.holder =>
+                {
+                    conflicts += 1;
+                    LOST_RACE.pause(conflicts).await;
+                    continue;
+                }
                 Some(p) => return Err(unavailable(holder_words(&pool.name, &p.entry))),
                 None => None,
             };

@@ -165,13 +165,25 @@ impl Attachment {
     /// claim's, else its pod interface's.
     pub fn held_entry<'p>(&self, pool: &'p Pool) -> Option<(u128, &'p IPAllocation)> {
         match &self.holder {
-            Holder::Claim(claim) => pool
-                .allocations
-                .iter()
-                .find(|(_, e)| e.ipamclaimref == *claim)
-                .map(|(o, e)| (*o, e)),
+            Holder::Claim(_) => self.claim_entries(pool).next(),
             _ => pool.entry_of(&self.podref, &self.ifname),
         }
+    }
+
+    /// Every entry of this attachment's claim in `pool` (none without a claim): normally one, two
+    /// when ADDs of two pods of the claim raced to make its first allocation.
+    pub fn claim_entries<'p>(
+        &self,
+        pool: &'p Pool,
+    ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
+        let claim = match &self.holder {
+            Holder::Claim(claim) => Some(claim.as_str()),
+            _ => None,
+        };
+        pool.allocations
+            .iter()
+            .filter(move |(_, e)| claim.is_some_and(|c| e.ipamclaimref == c))
+            .map(|(o, e)| (*o, e))
     }
 
     /// Whether a reservation written for `spec` is this attachment's to take over: the same pod

@@ -169,7 +169,12 @@ impl Invocation {
             ));
         }
         let mut args = CniArgs::parse(&self.cni_args)?;
-        let requested = requested::read(&conf.value)?;
+        // Only ADD reads them: a bad `ips` must not keep the runtime from deleting the sandbox.
+        let requested = if command == Command::Add {
+            requested::read(&conf.value)?
+        } else {
+            Vec::new()
+        };
         if !requested.is_empty() && !args.ips.is_empty() {
             // The CNI conventions: a plugin that honours `ips` ignores CNI_ARGS `IP`.
             tracing::info!("CNI_ARGS IP is ignored: the config requests addresses (ips)");
@@ -189,11 +194,7 @@ impl Invocation {
                 format!("invalid whereabouts config: {p}"),
             ));
         }
-        let requested = if command == Command::Add {
-            requested::assign(&ipam.ranges, &requested)?
-        } else {
-            Vec::new()
-        };
+        let requested = requested::assign(&ipam.ranges, &requested)?;
         let attachment = Attachment {
             container_id: self.container_id.clone(),
             ifname: self.ifname.clone(),

@@ -4,6 +4,7 @@
 //! the addresses to give again; after a first allocation they are written there, with the pod and
 //! the `IPsAllocated` condition.
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use serde::Deserialize;
@@ -53,6 +54,7 @@ pub async fn resolve<S: Datastore>(store: &S, req: &Request) -> Result<Kept, Cni
                     format!("IPAMClaim {ns}/{claim_name}, which pod {ns}/{name} refers to for interface {}, does not exist", who.ifname),
                 )
             })?;
+        check_claim_spec(&claim, &req.conf.name, &who.ifname)?;
         who.holder = Holder::Claim(format!("{ns}/{claim_name}"));
         return Ok(Kept {
             who,
@@ -65,6 +67,24 @@ pub async fn resolve<S: Datastore>(store: &S, req: &Request) -> Result<Kept, Cni
         who.holder = Holder::StatefulSet(statefulset);
     }
     Ok(Kept { who, claim: None })
+}
+
+/// A claim is for one network and interface (KubeVirt names both): a reference from another is
+/// a mistake to name, not an address to give.
+fn check_claim_spec(claim: &IPAMClaim, network: &str, ifname: &str) -> Result<(), CniError> {
+    let spec = &claim.spec;
+    if spec.network == network && spec.interface == ifname {
+        return Ok(());
+    }
+    Err(CniError::new(
+        Code::InvalidConfig,
+        format!(
+            "IPAMClaim {} is for network {:?} interface {:?}, but this ADD is for network {network:?} interface {ifname:?}",
+            key(claim),
+            spec.network,
+            spec.interface
+        ),
+    ))
 }
 
 /// One network-selection element, as far as claims go.
@@ -141,11 +161,28 @@ pub async fn record<S: Datastore>(
     pod: &str,
 ) -> Result<(), CniError> {
     let texts: Vec<String> = ips.iter().map(ToString::to_string).collect();
+    let ours: BTreeSet<IpAddr> = ips.iter().map(ipnet::IpNet::addr).collect();
     let mut claim = claim.clone();
     for _ in 0..RECORD_ATTEMPTS {
         let mut status = claim.status.clone().unwrap_or_default();
-        if !status.ips.is_empty() && status.ips != texts {
-            break;
+        // The claim's addresses, whatever their order or prefix length, may only grow (a range
+        // added to the network): a claim recording others was given them by another ADD.
+        let recorded: BTreeSet<IpAddr> = status
+            .ips
+            .iter()
+            .filter_map(|t| requested::parse(t))
+            .collect();
+        if !recorded.is_subset(&ours) {
+            let recorded: Vec<String> = recorded.iter().map(ToString::to_string).collect();
+            return Err(CniError::new(
+                Code::TryAgainLater,
+                format!(
+                    "IPAMClaim {} records {} but this ADD was given {}: another pod's ADD recorded the claim first; retrying takes the claim's addresses",
+                    key(&claim),
+                    recorded.join(", "),
+                    texts.join(", ")
+                ),
+            ));
         }
         let owner = Some(OwnerPod {
             name: pod.to_owned(),
@@ -251,11 +288,6 @@ fn key(claim: &IPAMClaim) -> String {
 
 fn datastore(e: StoreError) -> CniError {
     CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
-}
-
-/// The address of `ip` in the result's form, for a claim's status.
-pub fn with_prefix(ip: IpAddr, prefix: u8) -> ipnet::IpNet {
-    ipnet::IpNet::new(ip, prefix).expect("prefix of the range")
 }
 
 #[cfg(test)]

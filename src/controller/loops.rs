@@ -97,13 +97,10 @@ pub(super) async fn slice_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
 const HOLDER_PERIOD: Duration = Duration::from_secs(60);
 
 /// Addresses held by StatefulSets and IPAMClaims, freed when their holder goes; woken by
-/// StatefulSet and IPAMClaim changes and pod deletions. Never decided from partial lists: that
-/// would free kept addresses.
+/// StatefulSet and IPAMClaim changes and pod deletions. Never decided from partial lists (that
+/// would free kept addresses): a kind whose cache has not listed yet is left for a later pass,
+/// without holding up the other.
 pub(super) async fn holder_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
-    let _ = tokio::join!(
-        ctx.caches.statefulsets.wait_until_ready(),
-        ctx.caches.claims.wait_until_ready()
-    );
     loop {
         if ctx.is_leader() {
             let started = std::time::Instant::now();

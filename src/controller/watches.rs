@@ -2,7 +2,7 @@
 //! and NodeSlicePool changes into a new slice plan. Watch errors are logged and the watch goes on
 //! (the stream backs off and relists): a transient API failure must never stop the operator.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -77,7 +77,7 @@ pub(super) async fn all(
         .reflect(w.statefulsets),
         "statefulset",
         wakes.holders.clone(),
-        any_change,
+        ordinal_changes(),
     );
     let claim_watch = notifying_watch(
         watcher(
@@ -240,6 +240,31 @@ fn node_set_changes() -> impl FnMut(&watcher::Event<Node>) -> bool {
     }
 }
 
+/// A StatefulSet that comes, goes, or changes its ordinals (replicas, `ordinals.start`), and the
+/// end of a (re)list; not its status updates, which every rollout sends many of.
+fn ordinal_changes() -> impl FnMut(&watcher::Event<StatefulSet>) -> bool {
+    let mut seen: HashMap<(String, String), holders::Ordinals> = HashMap::new();
+    move |e| {
+        let key = |s: &StatefulSet| (s.namespace().unwrap_or_default(), s.name_any());
+        match e {
+            watcher::Event::Apply(s) | watcher::Event::InitApply(s) => {
+                let changed =
+                    seen.insert(key(s), holders::Ordinals::of(s)) != Some(holders::Ordinals::of(s));
+                changed && matches!(e, watcher::Event::Apply(_))
+            }
+            watcher::Event::Delete(s) => {
+                seen.remove(&key(s));
+                true
+            }
+            watcher::Event::Init => {
+                seen.clear();
+                false
+            }
+            watcher::Event::InitDone => true,
+        }
+    }
+}
+
 fn log_watch_error<K>(
     kind: &str,
     event: Result<watcher::Event<K>, watcher::Error>,
@@ -258,6 +283,26 @@ mod tests {
         let mut n = Node::default();
         n.metadata.name = Some(name.into());
         n
+    }
+
+    #[test]
+    fn only_ordinal_changes_wake_the_holder_check() {
+        let sts = |replicas: i32| {
+            let mut s = StatefulSet::default();
+            s.metadata.name = Some("web".into());
+            s.metadata.namespace = Some("ns".into());
+            s.spec = Some(k8s_openapi::api::apps::v1::StatefulSetSpec {
+                replicas: Some(replicas),
+                ..Default::default()
+            });
+            s
+        };
+        let mut wanted = ordinal_changes();
+        assert!(!wanted(&watcher::Event::InitApply(sts(3))));
+        assert!(wanted(&watcher::Event::InitDone));
+        assert!(!wanted(&watcher::Event::Apply(sts(3))), "a status update");
+        assert!(wanted(&watcher::Event::Apply(sts(2))), "scaled down");
+        assert!(wanted(&watcher::Event::Delete(sts(2))));
     }
 
     #[test]

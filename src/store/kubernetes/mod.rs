@@ -77,15 +77,18 @@ impl KubeStore {
 }
 
 impl KubeStore {
-    /// The replicas of StatefulSet `<namespace>/<name>`, `None` when it does not exist (the
-    /// operator's check before it frees a sticky address).
-    pub async fn statefulset_replicas(&self, namespace: &str, name: &str) -> Result<Option<i32>> {
+    /// StatefulSet `<namespace>/<name>`, `None` when it does not exist (the operator's check
+    /// before it frees a sticky address).
+    pub async fn get_statefulset(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<k8s_openapi::api::apps::v1::StatefulSet>> {
         let api: Api<k8s_openapi::api::apps::v1::StatefulSet> =
             Api::namespaced(self.client.clone(), namespace);
-        let found = retrying(|| api.get_opt(name))
+        retrying(|| api.get_opt(name))
             .await
-            .map_err(|e| error("get", format!("statefulset {namespace}/{name}"), e))?;
-        Ok(found.map(|s| s.spec.and_then(|sp| sp.replicas).unwrap_or(1)))
+            .map_err(|e| error("get", format!("statefulset {namespace}/{name}"), e))
     }
 
     /// Remembers a read of a NodeSlicePool (`Some`), or forgets it (`None`).
