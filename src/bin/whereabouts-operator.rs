@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use whereabouts::cli::agent::AgentArgs;
+use whereabouts::cli::audit::{AuditArgs, RepairArgs};
 use whereabouts::cli::install_cni::InstallCniArgs;
 use whereabouts::cli::run::RunArgs;
 use whereabouts::cli::validate::ValidateArgs;
@@ -32,6 +33,11 @@ enum Cmd {
     /// Check NetworkAttachmentDefinitions in files or in the cluster, as the webhook would.
     /// Exit status: 0 all valid, 1 some invalid, 2 usage or read error.
     Validate(ValidateArgs),
+    /// Report every inconsistency of the pools, reservations and NADs, with its evidence
+    /// (read-only). Exit status: 0 nothing found, 1 findings, 2 the cluster could not be read.
+    Audit(AuditArgs),
+    /// Apply the fixes of a saved `audit --output json` report; what changed since is skipped.
+    Repair(RepairArgs),
     /// Install the CNI plugin, its flat file and kubeconfig on this node (run by the DaemonSet),
     /// and keep the kubeconfig current as the ServiceAccount token rotates.
     InstallCni(InstallCniArgs),
@@ -63,6 +69,14 @@ fn main() -> ExitCode {
         Cmd::Agent(args) => {
             exit(runtime().and_then(|rt| rt.block_on(whereabouts::cli::agent::run(args))))
         }
+        Cmd::Audit(args) => match runtime() {
+            Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::audit::run_audit(args))),
+            Err(e) => exit(Err(e)),
+        },
+        Cmd::Repair(args) => match runtime() {
+            Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::audit::run_repair(args))),
+            Err(e) => exit(Err(e)),
+        },
         Cmd::Validate(args) => match runtime() {
             Ok(rt) => ExitCode::from(rt.block_on(whereabouts::cli::validate::validate(args))),
             Err(e) => exit(Err(e)),

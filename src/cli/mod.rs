@@ -2,6 +2,7 @@
 //! parses arguments and calls these.
 
 pub mod agent;
+pub mod audit;
 pub mod install_cni;
 pub mod run;
 pub mod validate;

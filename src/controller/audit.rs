@@ -124,15 +124,27 @@ fn interfaces_of(pod: &impl Resource) -> HashMap<String, Vec<IpAddr>> {
 fn live_pods(ctx: &Context) -> LivePods {
     let mut live = LivePods::default();
     for p in ctx.caches.pods.state().iter() {
-        let podref = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
-        live.uids
-            .insert(podref.clone(), p.uid().unwrap_or_default());
-        let interfaces = interfaces_of(p.as_ref());
-        if !interfaces.is_empty() {
-            live.interfaces.insert(podref, interfaces);
-        }
+        live.add(p.as_ref());
     }
     live
+}
+
+impl LivePods {
+    /// Adds a pod (an object, or its metadata alone: the network-status is an annotation).
+    pub fn add(&mut self, pod: &impl Resource) {
+        let meta = pod.meta();
+        let podref = format!(
+            "{}/{}",
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default()
+        );
+        self.uids
+            .insert(podref.clone(), meta.uid.clone().unwrap_or_default());
+        let interfaces = interfaces_of(pod);
+        if !interfaces.is_empty() {
+            self.interfaces.insert(podref, interfaces);
+        }
+    }
 }
 
 /// Stale entries of every cached pool.

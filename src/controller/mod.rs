@@ -8,6 +8,7 @@
 
 pub mod audit;
 pub mod cleanup;
+pub mod findings;
 pub mod holders;
 mod loops;
 pub mod nads;

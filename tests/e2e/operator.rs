@@ -259,6 +259,11 @@ fn a_pod_on_a_foreign_network_causes_no_write_and_no_error() {
     op.wait_ready();
     let conf = ns.netconf("1.0.0", json!({"range": "10.73.0.0/24"}));
     attached_pod(&ns, "mine", &conf, true);
+    // The operator writes the pool's status once it counts the entry; from then on it is settled.
+    assert!(eventually(20, || ns
+        .get_json(&["ippool", "10.73.0.0-24"])
+        .unwrap()["status"]["allocated"]
+        == 1));
     let rv =
         ns.get_json(&["ippool", "10.73.0.0-24"]).unwrap()["metadata"]["resourceVersion"].clone();
     let hostlocal = BTreeMap::from([(NS_ANNOTATION.to_owned(), json!([{"name": format!("{}/hostlocal", ns.name), "interface": "net1", "ips": ["10.73.0.1"]}]).to_string())]);
