@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The README's "Install on a cluster", command for command, for a cluster whose nodes hold IMAGE:
 # the NAD CRD (there is no Multus here), an overlay of config/default that sets the image,
-# `kubectl apply -k`, the webhook certificate, and the rollout waits.
+# `kubectl apply -k` and the rollout waits. The operator makes the webhook's certificate itself.
 #
 #   KUBECONFIG=... e2e/install.sh IMAGE [WORKDIR]
 #
 # WORKDIR (default $WHEREABOUTS_E2E_STATE/install, else e2e/.state-install) gets the overlay
-# (whereabouts-install/) and the certificates (certs/). Progress on stderr.
+# (whereabouts-install/). Progress on stderr.
 set -euo pipefail
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$E2E_DIR/.." && pwd)"
@@ -30,10 +30,5 @@ images:
     newTag: ${image##*:}
 EOF
 kubectl apply -k whereabouts-install >&2
-# the webhook's serving certificate, for the Service whereabouts-webhook.whereabouts-system.svc
-"$REPO/webhook-certs/mint.sh" --dns whereabouts-webhook.whereabouts-system.svc --out certs >/dev/null
-kubectl -n whereabouts-system create secret tls whereabouts-webhook-tls --cert certs/tls.crt --key certs/tls.key >&2
-kubectl patch validatingwebhookconfiguration whereabouts-nad-validation --type=json \
-  -p "[{\"op\":\"replace\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$(base64 -w0 certs/ca.crt)\"}]" >&2
 kubectl -n whereabouts-system rollout status deployment/whereabouts-operator --timeout=300s >&2
 kubectl -n whereabouts-system rollout status daemonset/whereabouts-node --timeout=300s >&2

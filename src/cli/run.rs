@@ -60,6 +60,45 @@ pub struct RunArgs {
         requires = "tls_cert_file"
     )]
     pub tls_key_file: Option<PathBuf>,
+    /// Manage the webhook's certificate when none is given by file: a CA and a serving
+    /// certificate for --webhook-service kept in this Secret of the operator's namespace
+    /// (`POD_NAMESPACE`), the CA injected into --webhook-configuration, renewed before expiry.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_WEBHOOK_CERTIFICATE_SECRET",
+        value_name = "NAME",
+        conflicts_with = "tls_cert_file"
+    )]
+    pub webhook_certificate_secret: Option<String>,
+    /// The Service the API server calls the webhook through (the certificate's names).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_WEBHOOK_SERVICE",
+        default_value = "whereabouts-webhook",
+        value_name = "NAME"
+    )]
+    pub webhook_service: String,
+    /// The ValidatingWebhookConfiguration whose caBundle the operator keeps.
+    #[arg(
+        long,
+        env = "WHEREABOUTS_WEBHOOK_CONFIGURATION",
+        default_value = "whereabouts-nad-validation",
+        value_name = "NAME"
+    )]
+    pub webhook_configuration: String,
+    /// The failure policy the operator sets once it serves (the install ships `Ignore`, so that
+    /// no NAD change is refused before a certificate exists); empty leaves it as installed.
+    #[arg(long, env = "WHEREABOUTS_WEBHOOK_FAILURE_POLICY", default_value = "Fail", value_parser = ["Fail", "Ignore", ""], value_name = "POLICY")]
+    pub webhook_failure_policy: String,
+    /// Where the self-managed serving certificate is written for the webhook to serve (a
+    /// writable directory: an emptyDir in the Deployment).
+    #[arg(
+        long,
+        env = "WHEREABOUTS_WEBHOOK_CERT_DIR",
+        default_value = "/run/whereabouts-webhook",
+        value_name = "DIR"
+    )]
+    pub webhook_cert_dir: PathBuf,
     /// Webhook connections open at once; more wait in the listen queue. Each costs memory while
     /// open (docs/benchmarks.md, "Webhook under abuse").
     #[arg(long, env = "WHEREABOUTS_WEBHOOK_MAX_CONNECTIONS", default_value_t = webhook::limits::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..), value_name = "N")]
@@ -83,6 +122,23 @@ pub struct RunArgs {
     /// Report what the controllers would change without writing.
     #[arg(long, env = "WHEREABOUTS_DRY_RUN")]
     pub dry_run: bool,
+}
+
+/// The self-managed certificate's settings from the flags; the namespace is the operator's own.
+fn self_managed(args: &RunArgs, secret: &str) -> webhook::certs::SelfManaged {
+    let namespace = std::env::var("POD_NAMESPACE")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "whereabouts-system".to_owned());
+    let dir = &args.webhook_cert_dir;
+    webhook::certs::SelfManaged {
+        namespace,
+        secret: secret.to_owned(),
+        service: args.webhook_service.clone(),
+        webhook_configuration: args.webhook_configuration.clone(),
+        failure_policy: Some(args.webhook_failure_policy.clone()).filter(|p| !p.is_empty()),
+        files: CertFiles::new(dir.join("tls.crt"), dir.join("tls.key")),
+    }
 }
 
 /// `90s`, `5m`, `1h30m`, `250ms`: a number followed by a unit, repeated (humantime's units
@@ -132,7 +188,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (client, namespace) = client().await?;
     let nads = components.start_nad_cache(client.clone());
     let tasks = components
-        .start_webhook(&args, &nads)?
+        .start_webhook(&args, &nads, &client)?
         .start_controllers(&args, client, namespace, nads)
         .start_admin(&args)
         .await?;
@@ -181,12 +237,37 @@ impl Components {
 
     /// The admission webhook, when a certificate is given: ready once the certificate is loaded
     /// and the NAD cache has synced. Its port is bound here, so a bad address fails the start.
-    fn start_webhook(mut self, args: &RunArgs, nads: &Nads) -> anyhow::Result<Self> {
-        let (Some(cert), Some(key)) = (&args.tls_cert_file, &args.tls_key_file) else {
-            tracing::info!("no --tls-cert-file/--tls-key-file: the admission webhook is off");
-            return Ok(self);
-        };
+    fn start_webhook(
+        mut self,
+        args: &RunArgs,
+        nads: &Nads,
+        client: &Client,
+    ) -> anyhow::Result<Self> {
         let loaded = Arc::new(AtomicBool::new(false));
+        let files = match (
+            &args.tls_cert_file,
+            &args.tls_key_file,
+            &args.webhook_certificate_secret,
+        ) {
+            (Some(cert), Some(key), _) => CertFiles::new(cert, key),
+            (_, _, Some(secret)) => {
+                let cfg = self_managed(args, secret);
+                let files = cfg.files.clone();
+                tracing::info!(secret = %secret, namespace = %cfg.namespace, service = %cfg.service, "the webhook manages its own certificate");
+                let (client, loaded) = (client.clone(), loaded.clone());
+                self.tasks.push(Box::pin(async move {
+                    webhook::certs::run(client, cfg, loaded).await;
+                    Ok(())
+                }));
+                files
+            }
+            _ => {
+                tracing::info!(
+                    "no --tls-cert-file/--tls-key-file or --webhook-certificate-secret: the admission webhook is off"
+                );
+                return Ok(self);
+            }
+        };
         let (l, c) = (loaded.clone(), nads.cache.clone());
         self.admin_state = self
             .admin_state
@@ -216,7 +297,6 @@ impl Components {
             ),
             &limits,
         );
-        let files = CertFiles::new(cert, key);
         let (stop, addr) = (self.shutdown.clone(), args.webhook_addr);
         self.tasks.push(Box::pin(async move {
             tracing::info!(addr = %addr, "admission webhook listening (HTTPS)");

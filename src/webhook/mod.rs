@@ -7,6 +7,7 @@
 //! greedy or hostile client can cost.
 
 pub mod admission;
+pub mod certs;
 pub mod index;
 pub mod limits;
 pub mod tls;

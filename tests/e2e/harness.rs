@@ -414,6 +414,16 @@ pub struct OperatorProcess {
 impl OperatorProcess {
     /// Starts `run` with the admin port on loopback and `extra` flags, as the admin user.
     pub fn start(dir: &Path, name: &str, extra: &[String]) -> OperatorProcess {
+        Self::start_with_env(dir, name, extra, &[])
+    }
+
+    /// [`OperatorProcess::start`] with more environment variables.
+    pub fn start_with_env(
+        dir: &Path,
+        name: &str,
+        extra: &[String],
+        env: &[(&str, &str)],
+    ) -> OperatorProcess {
         let admin_port = free_port();
         let log = dir.join(format!("{name}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
@@ -423,6 +433,7 @@ impl OperatorProcess {
             .env("KUBECONFIG", admin_kubeconfig())
             .env("RUST_LOG", "info,whereabouts=debug")
             .env("POD_NAME", name)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()

@@ -3,6 +3,7 @@
 
 mod agent;
 mod audit;
+mod certs;
 mod cni;
 mod harness;
 mod install;

@@ -122,6 +122,36 @@ fn the_operator_runs_two_ready_replicas_and_one_leader() {
 #[test]
 fn an_invalid_nad_is_rejected_by_the_in_cluster_webhook_through_its_service() {
     let w = Workload::new("webhook");
+    // The install made no certificate: the operator did, kept it in its Secret, injected its CA
+    // and, serving, turned the installed failure policy (Ignore) to Fail.
+    wait_until(
+        60,
+        "the webhook configuration carries the operator's CA and Fail",
+        || {
+            let secret = crate::cluster::get_json(&[
+                "-n",
+                "whereabouts-system",
+                "get",
+                "secret",
+                "whereabouts-webhook-tls",
+            ])
+            .ok_or("no Secret whereabouts-webhook-tls")?;
+            let config = crate::cluster::get_json(&[
+                "get",
+                "validatingwebhookconfiguration",
+                "whereabouts-nad-validation",
+            ])
+            .ok_or("no webhook configuration")?;
+            let hook = &config["webhooks"][0];
+            match (
+                hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"],
+                hook["failurePolicy"].as_str(),
+            ) {
+                (true, Some("Fail")) => Ok(()),
+                (same, policy) => Err(format!("CA injected: {same}, failurePolicy {policy:?}")),
+            }
+        },
+    );
     let nad = |name: &str, ipam: serde_json::Value| {
         json!({"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
                "metadata": {"name": name, "namespace": w.ns},
