@@ -22,6 +22,7 @@ pub struct IPAllocation {
     pub id: String,
     /// `<namespace>/<pod name>`.
     pub podref: String,
+    /// The pod interface (`net1`); absent in entries of very old upstream versions.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ifname: String,
     /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
@@ -62,6 +63,7 @@ impl IPAllocation {
     printcolumn = r#"{"name":"Held","type":"integer","priority":1,"jsonPath":".status.held"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+/// The range and its allocations.
 pub struct IPPoolSpec {
     /// The range in CIDR notation, network address first (`192.168.2.0/24`).
     pub range: String,
@@ -108,12 +110,17 @@ pub struct IPPoolStatus {
     printcolumn = r#"{"name":"Interface","type":"string","jsonPath":".spec.ifname"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+/// Who holds the address (the reservation's name encodes the address and network).
 pub struct OverlappingRangeIPReservationSpec {
+    /// Container ID of the attachment.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub containerid: String,
+    /// `<namespace>/<pod name>`.
     pub podref: String,
+    /// The pod interface (`net1`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ifname: String,
+    /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub poduid: String,
     /// The IPAMClaim holding the address, as on the pool entry.
@@ -140,6 +147,7 @@ pub struct OverlappingRangeIPReservationSpec {
     printcolumn = r#"{"name":"Slice","type":"string","jsonPath":".spec.sliceSize"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+/// The range and how it is cut.
 pub struct NodeSlicePoolSpec {
     /// The whole range, as a CIDR with the host bits cleared (`10.0.0.0/16`).
     pub range: String,
@@ -148,6 +156,7 @@ pub struct NodeSlicePoolSpec {
     pub slice_size: String,
 }
 
+/// The slices and the nodes they are assigned to.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct NodeSlicePoolStatus {
     /// Every slice of the range in ascending order, with the node it is assigned to.
@@ -179,7 +188,9 @@ pub struct NodeSliceAllocation {
     namespaced,
     doc = "A secondary network a pod can attach to (Multus)."
 )]
+/// The network's CNI configuration.
 pub struct NetworkAttachmentDefinitionSpec {
+    /// The CNI network configuration (a plugin config or a conflist) as a JSON string.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub config: String,
 }
@@ -211,6 +222,7 @@ pub struct IPAMClaimSpec {
     pub interface: String,
 }
 
+/// What the IPAM recorded for the claim.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct IPAMClaimStatus {
     /// The claimed addresses with their prefix lengths (`10.0.0.5/24`); set once.
@@ -228,11 +240,14 @@ pub struct IPAMClaimStatus {
 /// A `metav1.Condition` (the k8s-openapi type has no schema to generate the CRD from).
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct ClaimCondition {
+    /// `IPsAllocated`.
     #[serde(rename = "type")]
     pub type_: String,
     /// `True`, `False` or `Unknown`.
     pub status: String,
+    /// Why, in one CamelCase word.
     pub reason: String,
+    /// Why, in words.
     pub message: String,
     /// RFC 3339, when the status last changed.
     #[serde(rename = "lastTransitionTime")]
@@ -242,11 +257,14 @@ pub struct ClaimCondition {
         default,
         skip_serializing_if = "Option::is_none"
     )]
+    /// The claim's `metadata.generation` the condition was set for.
     pub observed_generation: Option<i64>,
 }
 
+/// The pod a claim's addresses were last given to.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct OwnerPod {
+    /// The pod's name (in the claim's namespace).
     pub name: String,
 }
 
@@ -310,6 +328,38 @@ mod tests {
         let spec: IPPoolSpec = serde_json::from_value(upstream.clone()).unwrap();
         assert_eq!(spec.allocations["5"].ifname, "net1");
         assert_eq!(serde_json::to_value(&spec).unwrap(), upstream);
+    }
+
+    /// `kubectl explain` describes every field: each property of every CRD has a description
+    /// (from the Rust doc comments).
+    #[test]
+    fn every_crd_field_is_described() {
+        fn walk(node: &serde_json::Value, path: &str, missing: &mut Vec<String>) {
+            for (k, v) in node["properties"].as_object().into_iter().flatten() {
+                if v.get("description").is_none()
+                    && !["apiVersion", "kind", "metadata"].contains(&k.as_str())
+                {
+                    missing.push(format!("{path}.{k}"));
+                }
+                walk(v, &format!("{path}.{k}"), missing);
+            }
+            for nested in ["items", "additionalProperties"] {
+                if node[nested].is_object() {
+                    walk(&node[nested], &format!("{path}[]"), missing);
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        for (file, crd) in all() {
+            for v in &crd.spec.versions {
+                let schema = serde_json::to_value(&v.schema).unwrap();
+                walk(&schema["openAPIV3Schema"], file, &mut missing);
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "fields without a description: {missing:?}"
+        );
     }
 
     #[test]
