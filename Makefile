@@ -42,6 +42,7 @@ images:
 crds:
 	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
 	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml crds/ipamclaims.yaml config/crd/
+	cp config/crd/ippools.yaml config/crd/overlappingrangeipreservations.yaml config/crd/nodeslicepools.yaml config/crd/ipamclaims.yaml charts/whereabouts/crds/
 
 build:
 	$(CARGO) build --bins
