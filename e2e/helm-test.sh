@@ -106,7 +106,7 @@ compare() { # LABEL RENDERING helm_compare.py-ARGS...
 # The defaults: config/default without its Namespace (helm install --create-namespace makes it).
 render default.chart.yaml whereabouts-system
 check "defaults = config/default (less the Namespace)" \
-  compare defaults default.chart.yaml --expect "$work/default.yaml" --minus config/default/namespace.yaml
+  compare defaults default.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace
 
 render namespace.chart.yaml whereabouts-system --set namespace.create=true
 check "namespace.create = config/default" \
@@ -149,7 +149,7 @@ render values.chart.yaml whereabouts-system -f "$work/values.yaml"
 operator=Deployment/whereabouts-operator
 node=DaemonSet/whereabouts-node
 check "non-default values change only their fields" \
-  compare values values.chart.yaml --expect "$work/default.yaml" --minus config/default/namespace.yaml \
+  compare values values.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace \
     --pool-namespace net-pools --no-agent \
     --image registry.example.com/whereabouts:9.9.9 --pull-policy Always \
     --set "ValidatingWebhookConfiguration/whereabouts-nad-validation:webhooks[nad.whereabouts.cni.cncf.io].clientConfig.caBundle=Q0E=" \
@@ -164,7 +164,7 @@ check "non-default values change only their fields" \
 # The comparison itself must catch a difference (a test that cannot fail proves nothing).
 sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"
 catches_drift() {
-  ! compare broken broken.chart.yaml --expect "$work/default.yaml" --minus config/default/namespace.yaml >"$work/broken.out" &&
+  ! compare broken broken.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace >"$work/broken.out" &&
     grep -q 'differs: apps/v1/Deployment/whereabouts-system/whereabouts-operator' "$work/broken.out" &&
     grep -q 'differs: apps/v1/DaemonSet/whereabouts-system/whereabouts-node' "$work/broken.out"
 }

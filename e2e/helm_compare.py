@@ -4,7 +4,8 @@
     helm_compare.py ACTUAL.yaml --expect A.yaml [--minus B.yaml] [--expect C.yaml] [edits...]
 
 The expected objects are built from the kustomize renderings in the order given: --expect adds
-(or replaces) every object of a file, --minus removes every object of a file (by key). The edits
+(or replaces) every object of a file, --minus removes every object of a file (by key); then
+--drop-kind KIND removes every object of that kind (the Namespace: namespace.create). The edits
 below then say what a non-default value changes; everything else must stay as kustomize has it.
 Objects are matched by apiVersion/kind/namespace/name and compared whole, after removing from
 the chart's objects only the labels and annotations Helm adds (CHART_KEYS). Prints a diff of
@@ -157,6 +158,7 @@ def main():
     p.add_argument("actual", help="the chart's rendering (helm template --include-crds)")
     p.add_argument("--expect", action="append", default=[], dest="steps", type=lambda f: ("+", f))
     p.add_argument("--minus", action="append", default=[], dest="steps", type=lambda f: ("-", f))
+    p.add_argument("--drop-kind", action="append", default=[])
     p.add_argument("--namespace")
     p.add_argument("--pool-namespace")
     p.add_argument("--no-agent", action="store_true")
@@ -176,6 +178,7 @@ def main():
                 if k not in expected:
                     sys.exit(f"helm_compare: --minus {path}: {k} is not expected anyway")
                 del expected[k]
+    expected = {k: o for k, o in expected.items() if o["kind"] not in args.drop_kind}
     expected = apply_edits(expected, args)
     actual = {k: strip_chart_metadata(o) for k, o in load(args.actual).items()}
 
