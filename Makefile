@@ -1,9 +1,9 @@
 # One task file for people and CI. `make test` is the README's test command; .ci/run calls it.
-.PHONY: test check unit e2e node chaos chaos-smoke images crds deps build release demo fuzz fuzz-build fuzz-smoke
+.PHONY: test check helm unit e2e node chaos chaos-smoke images crds deps build release demo fuzz fuzz-build fuzz-smoke
 
 CARGO ?= cargo
 
-test: check unit e2e node chaos-smoke fuzz-smoke
+test: check helm unit e2e node chaos-smoke fuzz-smoke
 
 # Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
 # The e2e and node test crates are `test = false`, so --all-targets leaves them out: named here.
@@ -11,6 +11,11 @@ check:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --test e2e --test node -- -D warnings
+
+# The Helm chart renders the same objects as config/default, and its values change only their
+# fields (helm lint + helm template against kubectl kustomize; builds helm into e2e/bin; no cluster).
+helm:
+	e2e/helm-test.sh
 
 unit:
 	$(CARGO) test
@@ -42,6 +47,7 @@ images:
 crds:
 	$(CARGO) run -q --bin whereabouts-operator -- crds --dir crds
 	cp crds/ippools.yaml crds/overlappingrangeipreservations.yaml crds/nodeslicepools.yaml crds/ipamclaims.yaml config/crd/
+	cp config/crd/ippools.yaml config/crd/overlappingrangeipreservations.yaml config/crd/nodeslicepools.yaml config/crd/ipamclaims.yaml charts/whereabouts/crds/
 
 build:
 	$(CARGO) build --bins

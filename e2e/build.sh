@@ -2,7 +2,9 @@
 # Builds the local control-plane binaries into e2e/bin/:
 #   etcd, kube-apiserver, kube-controller-manager, kubectl
 # and, for the real node of e2e/node.sh, kubelet, kube-scheduler, kube-proxy and crictl,
-# from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod and e2e/cri-tools/go.mod.
+# and, for the chart test e2e/helm-test.sh, helm,
+# from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod
+# and e2e/helm/go.mod.
 #
 # A binary is rebuilt only when its stamp (e2e/bin/.NAME.stamp) differs from
 # the current inputs: Go version, build flags and the go.mod/go.sum of its
@@ -34,13 +36,15 @@ module_of() {
     etcd) echo "$E2E_DIR/etcd" ;;
     kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
     crictl) echo "$E2E_DIR/cri-tools" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl)" ;;
+    helm) echo "$E2E_DIR/helm" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm)" ;;
   esac
 }
 package_of() {
   case "$1" in
     etcd) echo "go.etcd.io/etcd/server/v3" ;; # module root is etcd's main package
     crictl) echo "sigs.k8s.io/cri-tools/cmd/crictl" ;;
+    helm) echo "helm.sh/helm/v3/cmd/helm" ;;
     *) echo "k8s.io/kubernetes/cmd/$1" ;;
   esac
 }
@@ -60,6 +64,22 @@ version_ldflags() {
   echo "$flags"
 }
 
+# The variables upstream's Makefile sets: `helm version` reports the pinned release, and the
+# Kubernetes version that `helm template` and `helm lint` assume (deprecated APIs) is that of
+# the client-go helm is built with (v0.34.x -> 1.34) instead of the 1.20 default.
+helm_ldflags() {
+  local mod_dir="$1" v cg minor
+  v="$(cd "$mod_dir" && go list -m -f '{{.Version}}' helm.sh/helm/v3)"
+  cg="$(cd "$mod_dir" && go list -m -f '{{.Version}}' k8s.io/client-go)"
+  minor="${cg#v0.}"; minor="${minor%%.*}"
+  local flags=" -X helm.sh/helm/v3/internal/version.version=$v -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  local p
+  for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    flags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
+  done
+  echo "$flags"
+}
+
 build_one() {
   local name="$1" mod_dir pkg ldflags stamp_file want have start end
   mod_dir="$(module_of "$name")"
@@ -68,6 +88,7 @@ build_one() {
   case "$name" in
     etcd) ;;
     crictl) ldflags+=" -X sigs.k8s.io/cri-tools/pkg/version.Version=$(cd "$mod_dir" && go list -m -f '{{.Version}}' sigs.k8s.io/cri-tools)" ;;
+    helm) ldflags+="$(helm_ldflags "$mod_dir")" ;;
     *) ldflags+="$(version_ldflags "$mod_dir")" ;;
   esac
   stamp_file="$BIN_DIR/.$name.stamp"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what a fresh Debian 12 machine needs for the e2e control plane
-# (e2e/build.sh, e2e/cluster.sh, e2e/selftest.sh). Idempotent and
-# non-interactive; run as root. Only apt is used here; the Kubernetes and etcd
-# binaries are compiled from source by e2e/build.sh via the Go module proxy,
+# (e2e/build.sh, e2e/cluster.sh, e2e/selftest.sh) and the chart test
+# (e2e/helm-test.sh). Idempotent and non-interactive; run as root. Only apt is
+# used here; the Kubernetes, etcd and helm binaries are compiled from source by
+# e2e/build.sh via the Go module proxy (by the test scripts that need them),
 # nothing prebuilt is downloaded.
 #
 # Go itself (>= 1.26, see e2e/k8s/go.mod) is expected to be installed
@@ -12,6 +13,7 @@ set -euo pipefail
 # Why each package:
 #   openssl                      CA, serving/client certs, SA signing keys
 #   python3                      picking free ports; the webhook test server
+#   python3-yaml                 the chart test compares helm's and kustomize's objects (e2e/helm_compare.py)
 #   curl                         etcd and controller-manager health checks
 #   ca-certificates              TLS to the Go module proxy during the build
 #   git                          `go` uses it for some module operations
@@ -33,6 +35,7 @@ set -euo pipefail
 PACKAGES=(
   openssl
   python3
+  python3-yaml
   curl
   ca-certificates
   git

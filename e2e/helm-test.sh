@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The chart test (make helm): charts/whereabouts renders the same objects as the kustomize
+# install config/default, and its values change what they say and nothing else.
+#   1. the chart's copies (crds/, files/) equal their sources in config/;
+#      appVersion equals the crate version (Cargo.toml);
+#   2. helm lint, with the defaults and with every switch flipped;
+#   3. helm template compared object by object (apiVersion/kind/namespace/name) with
+#      kubectl kustomize, ignoring only the chart's own labels (e2e/helm_compare.py):
+#      the defaults; namespace.create; certManager + monitoring in another namespace;
+#      every other value at once (pool namespace, agent off, image, replicas, scheduling, resources).
+# helm and kubectl are built into e2e/bin by e2e/build.sh (skipped when up to date;
+# WHEREABOUTS_E2E_SKIP_BUILD=1 uses e2e/bin as is). No cluster is needed.
+# Ends with "N passed, N failed".
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+BIN_DIR=e2e/bin
+CHART=charts/whereabouts
+HELM="$BIN_DIR/helm"
+KUBECTL="$BIN_DIR/kubectl"
+
+log() { printf '[helm-test] %s\n' "$*" >&2; }
+die() { printf '[helm-test] ERROR: %s\n' "$*" >&2; exit 1; }
+
+command -v python3 >/dev/null || die "python3 not found (run e2e/install-deps.sh)"
+python3 -c 'import yaml' 2>/dev/null || die "PyYAML not found (python3-yaml; run e2e/install-deps.sh)"
+if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]] || ! command -v go >/dev/null; then
+  for b in helm kubectl; do
+    [[ -x "$BIN_DIR/$b" ]] || die "$BIN_DIR/$b missing and not building (need go, see e2e/build.sh)"
+  done
+else
+  e2e/build.sh helm kubectl || die "build failed (e2e/build.sh, see messages above)"
+fi
+
+work="$(mktemp -d /tmp/wa-helm-test.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+
+passed=0
+failed=0
+check() { # NAME COMMAND...: runs one check, counts it
+  local name="$1"; shift
+  if "$@"; then
+    log "PASS $name"; passed=$((passed + 1))
+  else
+    log "FAIL $name"; failed=$((failed + 1))
+  fi
+}
+
+# 1. Copies and versions.
+same_file() { # SOURCE COPY
+  cmp -s "$1" "$2" && return 0
+  echo "$2 differs from $1: cp $1 $2" >&2
+  diff -u "$1" "$2" | head -40 >&2 || true
+  return 1
+}
+crd_copies() {
+  local ok=0 src_list copy_list
+  src_list="$(cd config/crd && ls -- *.yaml | grep -vx kustomization.yaml)"
+  copy_list="$(cd "$CHART/crds" && ls -- *.yaml)"
+  if [[ "$src_list" != "$copy_list" ]]; then
+    echo "$CHART/crds/ has [$(tr '\n' ' ' <<<"$copy_list")], config/crd/ has [$(tr '\n' ' ' <<<"$src_list")]" >&2
+    ok=1
+  fi
+  local f
+  for f in $src_list; do
+    [[ -f "$CHART/crds/$f" ]] && { same_file "config/crd/$f" "$CHART/crds/$f" || ok=1; }
+  done
+  return $ok
+}
+check "crds/ equals config/crd (make crds refreshes both)" crd_copies
+check "files/dashboard.json equals config/monitoring" \
+  same_file config/monitoring/dashboard.json "$CHART/files/dashboard.json"
+check "files/prometheusrule.yaml equals config/monitoring" \
+  same_file config/monitoring/prometheusrule.yaml "$CHART/files/prometheusrule.yaml"
+
+app_version() {
+  local crate chart
+  crate="$(sed -n 's/^version *= *"\(.*\)"/\1/p' Cargo.toml | head -1)"
+  chart="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$CHART/Chart.yaml")"
+  [[ -n "$crate" && "$crate" == "$chart" ]] && return 0
+  echo "Chart.yaml appVersion '$chart' != Cargo.toml version '$crate'" >&2
+  return 1
+}
+check "appVersion equals the crate version" app_version
+
+# 2. Lint.
+check "helm lint (defaults)" "$HELM" lint --strict "$CHART"
+check "helm lint (certManager, monitoring, agent off, namespace.create)" \
+  "$HELM" lint --strict "$CHART" --set certManager=true,monitoring.enabled=true,agent.enabled=false,namespace.create=true
+
+# 3. Renderings against kustomize.
+"$KUBECTL" kustomize config/default >"$work/default.yaml"
+"$KUBECTL" kustomize config/webhook/base >"$work/webhook-base.yaml"
+"$KUBECTL" kustomize config/webhook/cert-manager >"$work/webhook-cert-manager.yaml"
+"$KUBECTL" kustomize config/monitoring >"$work/monitoring.yaml"
+
+render() { # OUT NAMESPACE HELM-ARGS...
+  local out="$1" ns="$2"; shift 2
+  "$HELM" template whereabouts "$CHART" --namespace "$ns" --include-crds "$@" >"$work/$out"
+}
+compare() { # LABEL RENDERING helm_compare.py-ARGS...
+  local label="$1" rendering="$2"; shift 2
+  python3 e2e/helm_compare.py "$work/$rendering" --label "$label" "$@"
+}
+
+# The defaults: config/default without its Namespace (helm install --create-namespace makes it).
+render default.chart.yaml whereabouts-system
+check "defaults = config/default (less the Namespace)" \
+  compare defaults default.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace
+
+render namespace.chart.yaml whereabouts-system --set namespace.create=true
+check "namespace.create = config/default" \
+  compare namespace.create namespace.chart.yaml --expect "$work/default.yaml"
+
+# cert-manager's objects and annotation instead of the plain webhook, the monitoring objects,
+# and every namespaced object (and reference to one) in the release namespace; the agent's
+# resources (Helm merges maps: a key set replaces only that key).
+render all-on.chart.yaml net-system --set certManager=true,monitoring.enabled=true,namespace.create=true \
+  --set agent.resources.limits.memory=512Mi
+check "certManager + monitoring in namespace net-system = config/default - webhook/base + webhook/cert-manager + monitoring" \
+  compare certmanager+monitoring all-on.chart.yaml --expect "$work/default.yaml" \
+    --minus "$work/webhook-base.yaml" --expect "$work/webhook-cert-manager.yaml" \
+    --expect "$work/monitoring.yaml" --namespace net-system \
+    --set "DaemonSet/whereabouts-node:spec.template.spec.containers[agent].resources.limits.memory=512Mi"
+
+# Every other value, each changing only its own fields. (Maps given whole: Helm merges them into
+# the defaults key by key.)
+cat >"$work/values.yaml" <<'EOF'
+poolNamespace: net-pools
+image:
+  repository: registry.example.com/whereabouts
+  tag: "9.9.9"
+  pullPolicy: Always
+agent:
+  enabled: false
+webhook:
+  caBundle: Q0E=
+operator:
+  replicas: 3
+  resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {cpu: "2", memory: 512Mi}}
+  nodeSelector: {node-role.kubernetes.io/control-plane: ""}
+  tolerations: [{key: node-role.kubernetes.io/control-plane, effect: NoSchedule}]
+node:
+  resources: {requests: {cpu: 20m, memory: 64Mi}, limits: {cpu: 200m, memory: 1Gi}}
+  nodeSelector: {kubernetes.io/os: linux}
+  tolerations: [{key: dedicated, operator: Equal, value: net, effect: NoSchedule}]
+EOF
+render values.chart.yaml whereabouts-system -f "$work/values.yaml"
+operator=Deployment/whereabouts-operator
+node=DaemonSet/whereabouts-node
+check "non-default values change only their fields" \
+  compare values values.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace \
+    --pool-namespace net-pools --no-agent \
+    --image registry.example.com/whereabouts:9.9.9 --pull-policy Always \
+    --set "ValidatingWebhookConfiguration/whereabouts-nad-validation:webhooks[nad.whereabouts.cni.cncf.io].clientConfig.caBundle=Q0E=" \
+    --set "$operator:spec.replicas=3" \
+    --set "$operator:spec.template.spec.containers[operator].resources={requests: {cpu: 100m, memory: 128Mi}, limits: {cpu: \"2\", memory: 512Mi}}" \
+    --set "$operator:spec.template.spec.nodeSelector={node-role.kubernetes.io/control-plane: ''}" \
+    --set "$operator:spec.template.spec.tolerations=[{key: node-role.kubernetes.io/control-plane, effect: NoSchedule}]" \
+    --set "$node:spec.template.spec.containers[install-cni].resources={requests: {cpu: 20m, memory: 64Mi}, limits: {cpu: 200m, memory: 1Gi}}" \
+    --set "$node:spec.template.spec.nodeSelector={kubernetes.io/os: linux}" \
+    --set "$node:spec.template.spec.tolerations=[{key: dedicated, operator: Equal, value: net, effect: NoSchedule}]"
+
+# The comparison itself must catch a difference (a test that cannot fail proves nothing).
+sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"
+catches_drift() {
+  ! compare broken broken.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace >"$work/broken.out" &&
+    grep -q 'differs: apps/v1/Deployment/whereabouts-system/whereabouts-operator' "$work/broken.out" &&
+    grep -q 'differs: apps/v1/DaemonSet/whereabouts-system/whereabouts-node' "$work/broken.out"
+}
+check "a changed flag is reported" catches_drift
+
+echo "helm: $passed passed, $failed failed"
+((failed == 0))
