@@ -90,8 +90,7 @@ check "helm lint (certManager, monitoring, agent off, namespace.create)" \
 
 # 3. Renderings against kustomize.
 "$KUBECTL" kustomize config/default >"$work/default.yaml"
-"$KUBECTL" kustomize config/webhook/base >"$work/webhook-base.yaml"
-"$KUBECTL" kustomize config/webhook/cert-manager >"$work/webhook-cert-manager.yaml"
+"$KUBECTL" kustomize config/default-cert-manager >"$work/default-cert-manager.yaml"
 "$KUBECTL" kustomize config/monitoring >"$work/monitoring.yaml"
 
 render() { # OUT NAMESPACE HELM-ARGS...
@@ -112,14 +111,13 @@ render namespace.chart.yaml whereabouts-system --set namespace.create=true
 check "namespace.create = config/default" \
   compare namespace.create namespace.chart.yaml --expect "$work/default.yaml"
 
-# cert-manager's objects and annotation instead of the plain webhook, the monitoring objects,
+# config/default-cert-manager (cert-manager's objects, the operator serving its files), the monitoring objects,
 # and every namespaced object (and reference to one) in the release namespace; the agent's
 # resources (Helm merges maps: a key set replaces only that key).
 render all-on.chart.yaml net-system --set certManager=true,monitoring.enabled=true,namespace.create=true \
   --set agent.resources.limits.memory=512Mi
-check "certManager + monitoring in namespace net-system = config/default - webhook/base + webhook/cert-manager + monitoring" \
-  compare certmanager+monitoring all-on.chart.yaml --expect "$work/default.yaml" \
-    --minus "$work/webhook-base.yaml" --expect "$work/webhook-cert-manager.yaml" \
+check "certManager + monitoring in namespace net-system = config/default-cert-manager + monitoring" \
+  compare certmanager+monitoring all-on.chart.yaml --expect "$work/default-cert-manager.yaml" \
     --expect "$work/monitoring.yaml" --namespace net-system \
     --set "DaemonSet/whereabouts-node:spec.template.spec.containers[agent].resources.limits.memory=512Mi"
 
@@ -133,8 +131,6 @@ image:
   pullPolicy: Always
 agent:
   enabled: false
-webhook:
-  caBundle: Q0E=
 operator:
   replicas: 3
   resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {cpu: "2", memory: 512Mi}}
@@ -152,7 +148,6 @@ check "non-default values change only their fields" \
   compare values values.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace \
     --pool-namespace net-pools --no-agent \
     --image registry.example.com/whereabouts:9.9.9 --pull-policy Always \
-    --set "ValidatingWebhookConfiguration/whereabouts-nad-validation:webhooks[nad.whereabouts.cni.cncf.io].clientConfig.caBundle=Q0E=" \
     --set "$operator:spec.replicas=3" \
     --set "$operator:spec.template.spec.containers[operator].resources={requests: {cpu: 100m, memory: 128Mi}, limits: {cpu: \"2\", memory: 512Mi}}" \
     --set "$operator:spec.template.spec.nodeSelector={node-role.kubernetes.io/control-plane: ''}" \
