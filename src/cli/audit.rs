@@ -11,6 +11,7 @@
 //! the UID and resourceVersion the report saw; a missing reservation is created only if nobody
 //! made it since. What changed is skipped and listed. `--dry-run` prints the writes instead.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use kube::api::{ListParams, ObjectList};
@@ -18,8 +19,9 @@ use kube::{Api, Client, Resource};
 use serde::{Deserialize, Serialize};
 
 use crate::alloc::{Engine, Target};
-use crate::controller::audit::LivePods;
+use crate::controller::audit::{LivePods, expected_reservations};
 use crate::controller::findings::{EntryAt, Finding, ListedReservation, Snapshot, audit};
+use crate::controller::pools::{PoolView, SliceIndex};
 use crate::crd::{
     IPPool, NetworkAttachmentDefinition, NodeSlicePool, OverlappingRangeIPReservation,
 };
@@ -206,9 +208,18 @@ pub async fn run_repair(args: RepairArgs) -> u8 {
             return EXIT_ERROR;
         }
     };
+    // The reservations the pools imply now: a reservation the report calls an orphan may since
+    // have been adopted by the retry of its ADD, which records the entry without touching it.
+    let implied = match implied_reservations(&report.pool_namespace).await {
+        Ok(names) => names,
+        Err(e) => {
+            eprintln!("repair: cannot read the pools: {e:#}");
+            return EXIT_ERROR;
+        }
+    };
     let (mut done, mut skipped, mut failed) = (0, 0, 0);
     for f in report.findings.iter().filter(|f| f.repairable()) {
-        match repair_one(&store, f, args.dry_run).await {
+        match repair_one(&store, f, &implied, args.dry_run).await {
             Ok(Outcome::Done(what)) => {
                 done += 1;
                 println!("{what}");
@@ -232,9 +243,34 @@ pub async fn run_repair(args: RepairArgs) -> u8 {
     if failed > 0 { EXIT_ERROR } else { EXIT_CLEAN }
 }
 
-async fn repair_one(store: &KubeStore, f: &Finding, dry_run: bool) -> anyhow::Result<Outcome> {
+/// The reservation names the pools of `namespace` imply, read now.
+async fn implied_reservations(namespace: &str) -> anyhow::Result<BTreeSet<String>> {
+    let client = client().await?;
+    let pools = list_all(&Api::<IPPool>::namespaced(client.clone(), namespace)).await?;
+    let slice_pools: Vec<_> = list_all(&Api::<NodeSlicePool>::namespaced(client, namespace))
+        .await?
+        .into_iter()
+        .map(std::sync::Arc::new)
+        .collect();
+    let slices = SliceIndex::new(&slice_pools);
+    let views: Vec<PoolView> = pools
+        .iter()
+        .filter_map(|p| PoolView::from_pool_in(p, &slices))
+        .collect();
+    Ok(expected_reservations(&views))
+}
+
+async fn repair_one(
+    store: &KubeStore,
+    f: &Finding,
+    implied: &BTreeSet<String>,
+    dry_run: bool,
+) -> anyhow::Result<Outcome> {
     match f {
         Finding::StaleEntry { at, .. } => remove_entry(store, at, dry_run).await,
+        Finding::OrphanReservation { name, .. } if implied.contains(name) => Ok(Outcome::Skipped(
+            format!("overlappingrangeipreservation {name} backs a pool entry now"),
+        )),
         Finding::OrphanReservation {
             name,
             uid,

@@ -254,9 +254,12 @@ impl Components {
                 let cfg = self_managed(args, secret);
                 let files = cfg.files.clone();
                 tracing::info!(secret = %secret, namespace = %cfg.namespace, service = %cfg.service, "the webhook manages its own certificate");
-                let (client, loaded) = (client.clone(), loaded.clone());
+                let (l, c) = (loaded.clone(), nads.cache.clone());
+                // Ready as /readyz says: the certificate loaded and the NAD cache synced.
+                let ready = move || l.load(Ordering::SeqCst) && c.load(Ordering::SeqCst) != SYNCING;
+                let (client, stop) = (client.clone(), self.shutdown.clone());
                 self.tasks.push(Box::pin(async move {
-                    webhook::certs::run(client, cfg, loaded).await;
+                    webhook::certs::run(client, cfg, ready, stop.wait()).await;
                     Ok(())
                 }));
                 files

@@ -65,7 +65,15 @@ pub struct EntryAt {
 pub enum Finding {
     /// An entry whose pod is gone (or has another UID), or lives on with another address on the
     /// entry's interface. Repair: remove the entry and its reservation.
-    StaleEntry { at: EntryAt, why: String },
+    StaleEntry {
+        at: EntryAt,
+        why: String,
+        /// The pod lives on with another address on that interface: the operator's audit frees
+        /// it (it re-reads the pod's network-status); `repair` never removes an entry whose pod
+        /// exists.
+        #[serde(default)]
+        superseded: bool,
+    },
     /// A reservation that no pool entry implies (an ADD killed between claim and record, or a
     /// pool edited by hand). Repair: delete it, at the UID and resourceVersion seen.
     OrphanReservation {
@@ -110,7 +118,8 @@ impl Finding {
     /// Whether `repair` has a fix for it.
     pub fn repairable(&self) -> bool {
         match self {
-            Finding::StaleEntry { .. } | Finding::MissingReservation { .. } => true,
+            Finding::StaleEntry { superseded, .. } => !superseded,
+            Finding::MissingReservation { .. } => true,
             Finding::OrphanReservation { recent, .. } => !recent,
             _ => false,
         }
@@ -133,7 +142,7 @@ impl std::fmt::Display for Finding {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = self.kind();
         match self {
-            Finding::StaleEntry { at, why } => write!(f, "{kind}: {}: {why}", at_words(at)),
+            Finding::StaleEntry { at, why, .. } => write!(f, "{kind}: {}: {why}", at_words(at)),
             Finding::OrphanReservation {
                 name,
                 spec,
@@ -265,6 +274,7 @@ pub fn audit(snap: &Snapshot) -> Vec<Finding> {
             out.push(Finding::StaleEntry {
                 at: at(v, *offset, entry),
                 why,
+                superseded: stale == Stale::Superseded,
             });
         }
     }
@@ -303,7 +313,12 @@ fn reservation_findings(
         .collect();
     let names: std::collections::HashSet<&str> =
         snap.reservations.iter().map(|r| r.name.as_str()).collect();
+    let unprotected = unprotected_ranges(&snap.nads);
     for (v, _) in views {
+        // A NAD with enable_overlapping_ranges false writes no reservations, by design.
+        if unprotected.contains(&(v.network_name.clone(), v.range.cidr())) {
+            continue;
+        }
         for (offset, entry) in &v.entries {
             let Some(ip) = v.ip(*offset) else { continue };
             let reservation = reservation_name(v.network_name.as_deref(), ip);
@@ -316,6 +331,15 @@ fn reservation_findings(
         }
     }
     out
+}
+
+/// The (network, range) of every NAD range with `enable_overlapping_ranges` false.
+fn unprotected_ranges(nads: &[NetworkAttachmentDefinition]) -> Vec<(Option<String>, ipnet::IpNet)> {
+    nads.iter()
+        .flat_map(|nad| crate::nad_check::check_spec_config(&nad.spec.config).ranges)
+        .filter(|r| !r.overlapping)
+        .map(|r| (r.network_name, r.range.cidr()))
+        .collect()
 }
 
 /// One address of one network held by different pods in different pools.

@@ -52,7 +52,7 @@ impl Written {
 }
 
 /// Writes the status of every cached pool whose counts changed and that was not written in the
-/// last [`MIN_INTERVAL`]. Returns how many were written.
+/// last [`MIN_INTERVAL`]. Returns how many were written, or the last error once all were tried.
 pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, kube::Error> {
     let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
     let slices = ctx.slice_index();
@@ -60,7 +60,7 @@ pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, ku
     written
         .0
         .retain(|name, _| pools.iter().any(|p| p.name_any() == *name));
-    let mut count = 0;
+    let (mut count, mut failed) = (0, None);
     for pool in pools.iter() {
         let Some(view) = PoolView::from_pool_in(pool, &slices) else {
             continue;
@@ -73,6 +73,9 @@ pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, ku
             .strftime("%Y-%m-%dT%H:%M:%SZ")
             .to_string();
         let patch = Patch::Merge(serde_json::json!({"status": want}));
+        // Tried, whatever comes of it: a pool that keeps failing is tried again after
+        // MIN_INTERVAL, and the pools after it are written meanwhile.
+        written.0.insert(view.name.clone(), Instant::now());
         match api
             .patch_status(&view.name, &PatchParams::default(), &patch)
             .await
@@ -80,11 +83,10 @@ pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, ku
             Ok(_) => count += 1,
             // Deleted since the cache saw it.
             Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(e),
+            Err(e) => failed = Some(e),
         }
-        written.0.insert(view.name.clone(), Instant::now());
     }
-    Ok(count)
+    failed.map_or(Ok(count), Err)
 }
 
 #[cfg(test)]

@@ -14,8 +14,6 @@
 //! kept in its annotations, so nothing needs to parse X.509.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
@@ -37,8 +35,9 @@ pub const RENEW_BEFORE_DAYS: i64 = 30;
 /// How long a CA is valid, and how long before its end it is replaced.
 pub const CA_DAYS: i64 = 3650;
 pub const CA_RENEW_BEFORE_DAYS: i64 = 365;
-/// How often the Secret and the webhook configuration are checked.
-pub const CHECK: Duration = Duration::from_secs(60);
+/// How often the Secret and the webhook configuration are checked (a GET of each): a re-applied
+/// install, which puts back the shipped failure policy, is corrected within this.
+pub const CHECK: Duration = Duration::from_secs(10);
 
 const ANNOTATION_PREFIX: &str = "whereabouts.cni.cncf.io/";
 const SERVING_NOT_AFTER: &str = "whereabouts.cni.cncf.io/serving-not-after";
@@ -237,17 +236,24 @@ pub fn apply(
     Ok(m)
 }
 
-/// Runs until `shutdown`: keeps the Secret current, the served files in step with it, and the CA
-/// in the webhook configuration. Errors are logged and retried; `loaded` says whether this
-/// replica serves (the failure policy is only tightened then).
-pub async fn run(client: Client, cfg: SelfManaged, loaded: Arc<AtomicBool>) {
+/// Runs until `shutdown`: keeps the Secret current, the CA in the webhook configuration, and the
+/// served files in step with them. Errors are logged and retried. `ready` says whether this
+/// replica is ready to answer (certificate loaded, caches synced): only then is the failure
+/// policy tightened, so that `Fail` never points at a Service without a ready endpoint.
+pub async fn run(
+    client: Client,
+    cfg: SelfManaged,
+    ready: impl Fn() -> bool + Send,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let mut shutdown = std::pin::pin!(shutdown);
     let mut backoff = Duration::from_secs(1);
     loop {
-        let wait = match check_once(&client, &cfg, loaded.load(Ordering::SeqCst)).await {
+        let wait = match check_once(&client, &cfg, ready()).await {
             Ok(()) => {
                 backoff = Duration::from_secs(1);
-                // Until this replica serves, look again soon: the policy waits for it.
-                if loaded.load(Ordering::SeqCst) {
+                // Until this replica is ready, look again soon: the policy waits for it.
+                if ready() {
                     CHECK
                 } else {
                     Duration::from_secs(2)
@@ -259,14 +265,19 @@ pub async fn run(client: Client, cfg: SelfManaged, loaded: Arc<AtomicBool>) {
                 backoff
             }
         };
-        tokio::time::sleep(wait).await;
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
     }
 }
 
-async fn check_once(client: &Client, cfg: &SelfManaged, serving: bool) -> anyhow::Result<()> {
+/// One check. The CA goes into the webhook configuration before a certificate it signed is
+/// served, so the API server never sees a serving certificate it cannot verify.
+async fn check_once(client: &Client, cfg: &SelfManaged, ready: bool) -> anyhow::Result<()> {
     let material = current_secret(client, cfg).await?;
-    write_files(&cfg.files, &material)?;
-    inject(client, cfg, material.ca_bundle(), serving).await
+    inject(client, cfg, ready).await?;
+    write_files(&cfg.files, &material)
 }
 
 /// The Secret's material, made or renewed first when [`plan`] says so.
@@ -336,14 +347,11 @@ fn write_files(files: &CertFiles, m: &Material) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Puts the CA bundle into every webhook of the configuration, and the failure policy once this
-/// replica serves. One PUT at the resourceVersion read, only when something differs.
-async fn inject(
-    client: &Client,
-    cfg: &SelfManaged,
-    bundle: &str,
-    serving: bool,
-) -> anyhow::Result<()> {
+/// Puts the Secret's CA bundle into every webhook of the configuration, and the failure policy
+/// once this replica is ready. The Secret is read again right before, so that a replica that
+/// read it a while ago never puts back a bundle another replica has since replaced. One PUT at
+/// the resourceVersion read, only when something differs.
+async fn inject(client: &Client, cfg: &SelfManaged, ready: bool) -> anyhow::Result<()> {
     let api: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
     let Some(mut config) = api.get_opt(&cfg.webhook_configuration).await? else {
         anyhow::bail!(
@@ -351,14 +359,18 @@ async fn inject(
             cfg.webhook_configuration
         );
     };
-    let bundle = ByteString(bundle.as_bytes().to_vec());
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &cfg.namespace);
+    let Some(secret) = secrets.get_opt(&cfg.secret).await? else {
+        anyhow::bail!("secret {} is gone; making it again", cfg.secret);
+    };
+    let bundle = ByteString(Material::of(&secret).ca_bundle().as_bytes().to_vec());
     let mut changed = false;
     for w in config.webhooks.iter_mut().flatten() {
         if w.client_config.ca_bundle.as_ref() != Some(&bundle) {
             w.client_config.ca_bundle = Some(bundle.clone());
             changed = true;
         }
-        if let (Some(policy), true) = (&cfg.failure_policy, serving)
+        if let (Some(policy), true) = (&cfg.failure_policy, ready)
             && w.failure_policy.as_ref() != Some(policy)
         {
             w.failure_policy = Some(policy.clone());

@@ -186,3 +186,53 @@ fn a_pool_near_the_object_limit_is_reported() {
         "{found}"
     );
 }
+
+#[test]
+fn networks_without_reservations_and_superseded_entries_are_reported_as_they_are() {
+    let p = pool(
+        "10.3.0.0-24",
+        "10.3.0.0/24",
+        &[(1, "ns/live", "u"), (2, "ns/live", "u")],
+    );
+    let mut pods = LivePods::default();
+    pods.uids.insert("ns/live".into(), "u".into());
+    // The pod's network-status lists .1 on net1: the entry at .2 is an earlier sandbox's.
+    pods.interfaces.insert(
+        "ns/live".into(),
+        [("net1".to_owned(), vec!["10.3.0.1".parse().unwrap()])].into(),
+    );
+    let nad = NetworkAttachmentDefinition::new(
+        "plain",
+        NetworkAttachmentDefinitionSpec {
+            config: r#"{"cniVersion":"1.0.0","name":"n","type":"macvlan","ipam":{"type":"whereabouts","range":"10.3.0.0/24","enable_overlapping_ranges":false}}"#.into(),
+        },
+    );
+    let mut entry_pool = p.clone();
+    for e in entry_pool.spec.allocations.values_mut() {
+        e.ifname = "net1".into();
+    }
+    let snap = Snapshot {
+        pools: vec![entry_pool],
+        pods,
+        nads: vec![nad],
+        min_age: 60,
+        ..Default::default()
+    };
+    let found = audit(&snap);
+    assert_eq!(
+        found.len(),
+        1,
+        "no missing-reservation for a network without them: {found:#?}"
+    );
+    assert!(matches!(
+        &found[0],
+        Finding::StaleEntry {
+            superseded: true,
+            ..
+        }
+    ));
+    assert!(
+        !found[0].repairable(),
+        "its pod exists: the operator's audit frees it, not repair"
+    );
+}

@@ -3,6 +3,7 @@ use rustls::client::WebPkiServerVerifier;
 use rustls::client::danger::ServerCertVerifier;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+use std::sync::Arc;
 
 fn names() -> Vec<String> {
     SelfManaged {
