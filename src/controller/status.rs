@@ -4,7 +4,7 @@
 //! [`MIN_INTERVAL`]: a pool taking hundreds of ADDs a second is still written every few seconds,
 //! not for every ADD.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use kube::ResourceExt;
@@ -39,15 +39,27 @@ fn up_to_date(current: Option<&IPPoolStatus>, want: &IPPoolStatus) -> bool {
     })
 }
 
-/// When each pool's status was last written.
+/// What the loop remembers between passes, by pool name.
 #[derive(Default)]
-pub struct Written(HashMap<String, Instant>);
+pub struct Written {
+    /// When each pool's status was last written.
+    at: HashMap<String, Instant>,
+    /// The resourceVersion at which each pool's status was last found current: a pool unchanged
+    /// since is not counted again, so a pass costs little more than a look at every pool's version.
+    current: HashMap<String, String>,
+}
 
 impl Written {
     fn due(&self, pool: &str) -> bool {
-        self.0
+        self.at
             .get(pool)
             .is_none_or(|at| at.elapsed() >= MIN_INTERVAL)
+    }
+
+    /// Forgets pools that are gone.
+    fn keep_only(&mut self, names: &HashSet<String>) {
+        self.at.retain(|name, _| names.contains(name));
+        self.current.retain(|name, _| names.contains(name));
     }
 }
 
@@ -57,16 +69,22 @@ pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, ku
     let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
     let slices = ctx.slice_index();
     let pools = ctx.caches.pools.state();
-    written
-        .0
-        .retain(|name, _| pools.iter().any(|p| p.name_any() == *name));
+    written.keep_only(&pools.iter().map(|p| p.name_any()).collect());
     let (mut count, mut failed) = (0, None);
     for pool in pools.iter() {
+        let (name, version) = (pool.name_any(), pool.resource_version().unwrap_or_default());
+        if written.current.get(&name) == Some(&version) {
+            continue;
+        }
         let Some(view) = PoolView::from_pool_in(pool, &slices) else {
             continue;
         };
         let mut want = status_of(&view);
-        if up_to_date(pool.status.as_ref(), &want) || !written.due(&view.name) || ctx.opts.dry_run {
+        if up_to_date(pool.status.as_ref(), &want) {
+            written.current.insert(name, version);
+            continue;
+        }
+        if !written.due(&view.name) || ctx.opts.dry_run {
             continue;
         }
         want.last_updated = k8s_openapi::jiff::Timestamp::now()
@@ -75,7 +93,7 @@ pub async fn reconcile(ctx: &Context, written: &mut Written) -> Result<usize, ku
         let patch = Patch::Merge(serde_json::json!({"status": want}));
         // Tried, whatever comes of it: a pool that keeps failing is tried again after
         // MIN_INTERVAL, and the pools after it are written meanwhile.
-        written.0.insert(view.name.clone(), Instant::now());
+        written.at.insert(view.name.clone(), Instant::now());
         match api
             .patch_status(&view.name, &PatchParams::default(), &patch)
             .await
