@@ -14,10 +14,11 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use kube::api::{ListParams, ObjectList};
-use kube::{Api, Client, Resource};
+use kube::api::ListParams;
+use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 
+use super::list_all;
 use crate::alloc::{Engine, Target};
 use crate::controller::audit::{LivePods, expected_reservations};
 use crate::controller::findings::{EntryAt, Finding, ListedReservation, Snapshot, audit};
@@ -115,23 +116,6 @@ pub async fn run_audit(args: AuditArgs) -> u8 {
 async fn client() -> anyhow::Result<Client> {
     let (config, _) = crate::kubeconfig::load(None).await?;
     Ok(Client::try_from(config)?)
-}
-
-/// Every object of a kind, page by page.
-async fn list_all<K>(api: &Api<K>) -> kube::Result<Vec<K>>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    let mut out = Vec::new();
-    let mut params = ListParams::default().limit(500);
-    loop {
-        let page: ObjectList<K> = api.list(&params).await?;
-        out.extend(page.items);
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => params = params.continue_token(&token),
-            None => return Ok(out),
-        }
-    }
 }
 
 async fn snapshot(args: &AuditArgs) -> anyhow::Result<Snapshot> {

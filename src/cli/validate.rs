@@ -6,7 +6,6 @@
 use std::io::Read as _;
 use std::path::PathBuf;
 
-use kube::api::ListParams;
 use kube::{Api, Client};
 use serde_json::json;
 
@@ -90,19 +89,12 @@ async fn cluster_nads() -> anyhow::Result<Vec<CheckedNad>> {
     let client = Client::try_from(config)?;
     let api: Api<NetworkAttachmentDefinition> = Api::all(client);
     let mut out = Vec::new();
-    let mut params = ListParams::default().limit(500);
-    loop {
-        let page = api.list(&params).await?;
-        for nad in &page.items {
-            if let Some(c) = check_object("cluster", out.len() + 1, &serde_json::to_value(nad)?) {
-                out.push(c);
-            }
-        }
-        match page.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(token) => params = params.continue_token(&token),
-            None => return Ok(out),
+    for nad in super::list_all(&api).await? {
+        if let Some(c) = check_object("cluster", out.len() + 1, &serde_json::to_value(&nad)?) {
+            out.push(c);
         }
     }
+    Ok(out)
 }
 
 /// Prints the findings and returns 0 or 1.

@@ -293,9 +293,7 @@ fn alloc_error(e: AllocError) -> CniError {
         AllocError::TooManyConflicts { .. } | AllocError::Agent(_) => {
             CniError::new(Code::TryAgainLater, e.to_string())
         }
-        AllocError::Datastore(s) => {
-            CniError::new(Code::TryAgainLater, format!("datastore: {s}")).with_details(s.kind())
-        }
+        AllocError::Datastore(s) => CniError::datastore(s),
     }
 }
 

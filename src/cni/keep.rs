@@ -287,7 +287,7 @@ fn key(claim: &IPAMClaim) -> String {
 }
 
 fn datastore(e: StoreError) -> CniError {
-    CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
+    CniError::datastore(&e)
 }
 
 #[cfg(test)]

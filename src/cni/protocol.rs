@@ -96,6 +96,11 @@ struct ErrorReply<'a> {
 }
 
 impl CniError {
+    /// A datastore failure: worth retrying (code 11), its kind in `details`.
+    pub fn datastore(e: &crate::store::StoreError) -> Self {
+        CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
+    }
+
     pub fn new(code: Code, msg: impl Into<String>) -> Self {
         CniError {
             code,

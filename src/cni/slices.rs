@@ -207,7 +207,7 @@ fn network(req: &Request) -> String {
 }
 
 fn retry(e: StoreError) -> CniError {
-    CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
+    CniError::datastore(&e)
 }
 
 /// Where the node's name is read from, as upstream: `NODENAME`, else `<configuration_path>/nodename`,
