@@ -57,6 +57,23 @@ IMPLS = {
         "env": {},
         "log_level": "verbose",
     },
+    # "ours" and "ours-agent" with the operator running on the scenario's namespace (it writes
+    # the pools' status subresource): what the status writes cost a burst (docs/benchmarks.md).
+    "ours-op": {
+        "label": "ours, operator running",
+        "binary": ROOT / "target" / "release" / "whereabouts",
+        "operator": ROOT / "target" / "release" / "whereabouts-operator",
+        "env": {},
+        "log_level": "verbose",
+    },
+    "ours-agent-op": {
+        "label": "ours, node agent, operator running",
+        "binary": ROOT / "target" / "release" / "whereabouts",
+        "agent": ROOT / "target" / "release" / "whereabouts-operator",
+        "operator": ROOT / "target" / "release" / "whereabouts-operator",
+        "env": {},
+        "log_level": "verbose",
+    },
     # An earlier build of ours (--baseline), run exactly like "ours", to check for regressions.
     "ours-baseline": {
         "label": "ours, baseline",
@@ -144,6 +161,7 @@ class Scenario:
         self.socket = self.dir / "agent.sock"
         self.agent_log = self.dir / "agent.log"
         self.agent = None
+        self.operator = None
 
     def setup(self):
         self.kube.run("create", "namespace", self.ns)
@@ -154,7 +172,7 @@ class Scenario:
         # agent_socket is read from the flat file only.
         if "agent" in self.impl:
             flat["agent_socket"] = str(self.socket)
-        elif self.impl_key == "ours":
+        elif self.impl_key in ("ours", "ours-op"):
             flat["agent_socket"] = ""  # never an agent at the default path
         self.flat.write_text(json.dumps(flat))
         ipam = {
@@ -165,6 +183,8 @@ class Scenario:
         }
         if "agent" in self.impl:
             self.start_agent()
+        if "operator" in self.impl:
+            self.start_operator()
         if len(self.ranges) == 1:
             ipam["range"] = self.ranges[0]
         else:
@@ -188,6 +208,19 @@ class Scenario:
                 raise RuntimeError(f"node agent did not start: {self.agent_log.read_text()[-2000:]}")
             time.sleep(0.02)
 
+    def start_operator(self):
+        """`whereabouts-operator run` on this namespace alone, ready before the burst."""
+        log_file = open(self.dir / "operator.log", "wb")
+        self.operator = subprocess.Popen(
+            [str(self.impl["operator"]), "run", f"--pool-namespace={self.ns}",
+             "--leader-election=false", "--admin-addr=127.0.0.1:0"],
+            stdout=log_file, stderr=log_file,
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "RUST_LOG": "info"})
+        log_file.close()
+        time.sleep(3)  # caches synced and loops started
+        if self.operator.poll() is not None:
+            raise RuntimeError(f"operator exited: {(self.dir / 'operator.log').read_text()[-2000:]}")
+
     def stop_agent(self):
         if self.agent is not None:
             self.agent.terminate()
@@ -202,6 +235,10 @@ class Scenario:
 
     def teardown(self):
         self.stop_agent()
+        if self.operator is not None:
+            self.operator.terminate()
+            self.operator.wait(timeout=30)
+            self.operator = None
         r = self.kube.run("delete", "namespace", self.ns, "--wait=true", "--timeout=120s",
                           check=False, timeout=180)
         if r.returncode != 0:
