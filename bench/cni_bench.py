@@ -168,8 +168,8 @@ class Scenario:
         shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
         self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
                       kubeconfig=str(self.kubeconfig))
-        flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}}
-        # agent_socket is read from the flat file only.
+        # agent_socket and log_file are read from the node's flat file only.
+        flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}, "log_file": str(self.logfile)}
         if "agent" in self.impl:
             flat["agent_socket"] = str(self.socket)
         elif self.impl_key in ("ours", "ours-op"):
@@ -179,7 +179,6 @@ class Scenario:
             "type": "whereabouts",
             "configuration_path": str(self.flat),
             "log_level": self.impl["log_level"],
-            "log_file": str(self.logfile),
         }
         if "agent" in self.impl:
             self.start_agent()
@@ -255,6 +254,8 @@ class Scenario:
             "CNI_NETNS": f"/var/run/netns/{pod}",
             "CNI_IFNAME": "eth0",
             "CNI_PATH": "/opt/cni/bin",
+            # The node's whereabouts directory, which holds the flat file.
+            "WHEREABOUTS_CONF_DIR": str(self.dir),
             "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={self.ns};K8S_POD_NAME={pod};"
                         f"K8S_POD_UID=00000000-0000-0000-0000-{i:012d}",
             **self.impl["env"],

@@ -38,7 +38,7 @@ def apiserver_cpu():
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 def spawn(cmd, i):
-    env = dict(os.environ, CNI_COMMAND=cmd, CNI_CONTAINERID=f"storm{i}", CNI_NETNS="/x",
+    env = dict(os.environ, WHEREABOUTS_CONF_DIR=os.path.dirname(flat), CNI_COMMAND=cmd, CNI_CONTAINERID=f"storm{i}", CNI_NETNS="/x",
                CNI_IFNAME="net1", CNI_PATH="/x",
                CNI_ARGS=f"K8S_POD_NAMESPACE={a.namespace};K8S_POD_NAME=storm{i}")
     p = subprocess.Popen([a.plugin], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

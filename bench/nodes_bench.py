@@ -219,7 +219,7 @@ class Mode:
                 ranges[1]["node_slice_size"] = self.args.v6_slice
         if node_dir is not None:
             ipam.update({"configuration_path": str(node_dir / "whereabouts.conf"),
-                         "log_level": "verbose", "log_file": str(node_dir / "plugin.log")})
+                         "log_level": "verbose"})
         return ipam
 
     def netconf(self, node_dir=None):
@@ -237,7 +237,8 @@ class Mode:
         for node in self.nodes:
             d = self.node_dir(node)
             d.mkdir()
-            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}}
+            # log_file and agent_socket are the node's: read from its flat file only.
+            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}, "log_file": str(d / "plugin.log")}
             if self.spec["impl"] == "ours":
                 # agent_socket is read from the flat file only; "" = never an agent.
                 flat["agent_socket"] = str(d / "agent.sock") if self.spec["agents"] else ""
@@ -448,6 +449,7 @@ class Mode:
             "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={self.ns};K8S_POD_NAME={pod};"
                         f"K8S_POD_UID={uid}",
             "NODENAME": node,
+            "WHEREABOUTS_CONF_DIR": str(d),
         }
         p = cb.spawn_plugin(self.binary, env, d / "netconf.json", d / f"{i}.out", d / f"{i}.err")
         LIVE.add(p)

@@ -333,7 +333,10 @@ class Operator:
 # ---------------------------------------------------------------- phases
 
 def allocate(args, api, uids, conf):
-    env_base = dict(os.environ, CNI_COMMAND="ADD", CNI_IFNAME="net1", CNI_NETNS="/x", CNI_PATH="/x")
+    # The node's whereabouts directory is the one holding the flat file the config names.
+    node_dir = os.path.dirname(conf["ipam"]["configuration_path"])
+    env_base = dict(os.environ, CNI_COMMAND="ADD", CNI_IFNAME="net1", CNI_NETNS="/x", CNI_PATH="/x",
+                    WHEREABOUTS_CONF_DIR=node_dir)
     stdin = json.dumps(conf).encode()
 
     def one(name):

@@ -176,7 +176,7 @@ cni() { # cni COMMAND POD NETNS-PATH
   if [[ $as_root == 1 ]]; then plugin="$work/cni-bin/bridge"; path="$work/cni-bin"; fi
   env -i PATH="$PATH" CNI_COMMAND="$1" CNI_CONTAINERID="ctr-$2" CNI_NETNS="$3" CNI_IFNAME=net1 \
     CNI_PATH="$path" CNI_ARGS="IgnoreUnknown=1;K8S_POD_NAMESPACE=$NS;K8S_POD_NAME=$2;K8S_POD_UID=$4" \
-    "$plugin" <"$work/net.json"
+    WHEREABOUTS_CONF_DIR="$work" "$plugin" <"$work/net.json"
 }
 
 declare -A addrs uids netns_of

@@ -16,10 +16,19 @@ pub enum KubeconfigError {
     },
     #[error("kubernetes client config: {0}")]
     Infer(#[from] kube::config::InferConfigError),
+    #[error(
+        "kubeconfig {path}: user {user:?} gets its credentials by running a command ({how}), which the CNI plugin never does (it runs as root, for configs anyone who may write a NAD controls): give it a token or a client certificate"
+    )]
+    RunsCommand {
+        path: String,
+        user: String,
+        how: &'static str,
+    },
 }
 
-/// With a path (the flat file's `kubernetes.kubeconfig`): that file. Without: `KUBECONFIG`, then
-/// `~/.kube/config`, then the in-cluster service account, as kube-rs infers it.
+/// The operator's, the agent's and the CLI's credentials. With a path (a flag): that file.
+/// Without: `KUBECONFIG`, then `~/.kube/config`, then the in-cluster service account, as kube-rs
+/// infers it. The CNI plugin uses [`load_node`] instead.
 pub async fn load(path: Option<&str>) -> Result<(Config, String), KubeconfigError> {
     match path {
         Some(path) => {
@@ -42,6 +51,45 @@ pub async fn load(path: Option<&str>) -> Result<(Config, String), KubeconfigErro
             Ok((Config::infer().await?, namespace))
         }
     }
+}
+
+/// The CNI plugin's kubeconfig: that file only, never the ambient credentials, and refused when
+/// any of its users would run a command (`exec`, `auth-provider`: kube-client runs both for
+/// whatever kubeconfig it loads).
+pub async fn load_node(path: &std::path::Path) -> Result<(Config, String), KubeconfigError> {
+    let shown = path.display().to_string();
+    let read = |source| KubeconfigError::Read {
+        path: shown.clone(),
+        source,
+    };
+    let kubeconfig = Kubeconfig::read_from(path).map_err(read)?;
+    if let Some((user, how)) = command_user(&kubeconfig) {
+        return Err(KubeconfigError::RunsCommand {
+            path: shown,
+            user,
+            how,
+        });
+    }
+    let namespace = context_namespace(&kubeconfig);
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(read)?;
+    Ok((config, namespace))
+}
+
+/// The first user of `kubeconfig` that would run a command for its credentials, and how.
+fn command_user(kubeconfig: &Kubeconfig) -> Option<(String, &'static str)> {
+    kubeconfig.auth_infos.iter().find_map(|named| {
+        let user = named.auth_info.as_ref()?;
+        let how = if user.exec.is_some() {
+            "exec"
+        } else if user.auth_provider.is_some() {
+            "auth-provider"
+        } else {
+            return None;
+        };
+        Some((named.name.clone(), how))
+    })
 }
 
 /// The current context's namespace, or `kube-system`.

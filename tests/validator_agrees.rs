@@ -215,6 +215,8 @@ fn config() -> impl Strategy<Value = Value> {
 fn garbage() -> impl Strategy<Value = Value> {
     prop::sample::select(vec![
         json!(null),
+        json!([null]),
+        json!([{"type": "tuning"}, 3]),
         json!(true),
         json!(-1),
         json!(""),
@@ -223,6 +225,14 @@ fn garbage() -> impl Strategy<Value = Value> {
         json!({}),
         json!(["10.0.0.0/24"]),
         json!({"range": "10.0.0.0/24"}),
+        // Host paths: inside the node's directories, outside, or only seemingly inside.
+        json!("/tmp/evil"),
+        json!("/etc/cni/net.d/whereabouts.d/whereabouts.conf"),
+        json!("/etc/cni/net.d/whereabouts.d/../../../tmp/evil"),
+        json!({"kubeconfig": "/tmp/evil.kubeconfig"}),
+        json!({"kubeconfig": "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig"}),
+        json!({"kubeconfig": "/etc/cni/net.d/whereabouts.d//k"}),
+        json!({"kubeconfig": 7}),
     ])
 }
 
@@ -243,9 +253,15 @@ fn mutated() -> impl Strategy<Value = Value> {
         "log_level",
         "log_file",
         "agent_socket",
+        "configuration_path",
+        "kubernetes",
         "cniVersion",
+        "plugins",
     ]);
     (config(), keys, prop::option::of(garbage())).prop_map(|(mut c, key, value)| {
+        if key == "plugins" {
+            return broken_plugins(c, value.unwrap_or(Value::Null));
+        }
         let target = if key == "cniVersion" {
             &mut c
         } else if c.get("plugins").is_some() {
@@ -260,6 +276,16 @@ fn mutated() -> impl Strategy<Value = Value> {
         };
         c
     })
+}
+
+/// What libcni cannot load, and both must refuse: a `plugins` key beside a single plugin's ipam
+/// (libcni then reads a conflist), or an entry that is not a plugin object in a conflist's list.
+fn broken_plugins(mut c: Value, entry: Value) -> Value {
+    match c.get_mut("plugins").and_then(Value::as_array_mut) {
+        Some(list) => list.push(entry),
+        None => c["plugins"] = entry,
+    }
+    c
 }
 
 proptest! {
@@ -302,4 +328,68 @@ fn the_reported_versions_are_refused_by_both() {
     .to_string();
     assert!(check_spec_config(&c).is_valid());
     assert!(plugin(&c).is_ok());
+}
+
+/// Issue 24's configs: a kubeconfig or flat file of the NAD author's choosing, and a conflist
+/// libcni cannot load, are refused by both, naming the field and the value; a log file of their
+/// choosing is only warned of (upstream's example NADs set one), and followed by neither.
+#[test]
+fn host_files_and_broken_conflists_are_refused_by_both() {
+    let with = |key: &str, value: Value| {
+        let mut c = json!({"cniVersion": "1.0.0", "name": "n", "type": "macvlan",
+                           "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
+        c["ipam"][key] = value;
+        c.to_string()
+    };
+    let refused = [
+        (
+            with(
+                "kubernetes",
+                json!({"kubeconfig": "/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir/x/k"}),
+            ),
+            r#"ipam.kubernetes.kubeconfig "/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir/x/k" names the plugin's credentials, which are node configuration"#,
+        ),
+        (
+            with(
+                "configuration_path",
+                json!("/etc/cni/net.d/whereabouts.d/../../../tmp/f.conf"),
+            ),
+            r#"ipam.configuration_path "/etc/cni/net.d/whereabouts.d/../../../tmp/f.conf" names the node's flat file"#,
+        ),
+    ];
+    for (c, words) in refused {
+        let nad = check_spec_config(&c);
+        assert!(
+            nad.errors[0].to_string().starts_with(words),
+            "{:?}",
+            nad.errors
+        );
+        let (code, msg) = plugin(&c).unwrap_err();
+        assert_eq!(code, Code::InvalidConfig);
+        assert!(msg.contains(words), "{msg}");
+    }
+    let logged = with("log_file", json!("/etc/cron.d/x"));
+    let nad = check_spec_config(&logged);
+    assert!(nad.is_valid());
+    assert_eq!(nad.warnings[0].path, "ipam.log_file");
+    assert!(plugin(&logged).is_ok());
+    let documented = with(
+        "kubernetes",
+        json!({"kubeconfig": "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig"}),
+    );
+    assert!(check_spec_config(&documented).is_valid());
+    assert!(plugin(&documented).is_ok());
+    let broken = json!({"cniVersion": "1.0.0", "name": "n", "plugins": [null],
+                        "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}})
+    .to_string();
+    let nad = check_spec_config(&broken);
+    assert!(nad.whereabouts);
+    assert!(
+        nad.errors[0]
+            .to_string()
+            .starts_with(r#"plugins[0] "null" must be a JSON object"#),
+        "{:?}",
+        nad.errors
+    );
+    assert_eq!(plugin(&broken).unwrap_err().0, Code::InvalidConfig);
 }

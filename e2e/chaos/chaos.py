@@ -126,15 +126,17 @@ class Fleet:
                        check=True, capture_output=True)
         ranges = {"ipRanges": [{"range": V4}, {"range": V6}]}
         for member in MEMBERS:
-            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}}
+            # The node's flat file decides where the plugin logs (ours ignores a network
+            # config's log_file; upstream reads it from the flat file as well).
+            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)},
+                    "log_file": str(self.work / f"{member}-plugin.log")}
             if member == "agent":
                 flat["agent_socket"] = str(self.socket)
             elif member == "direct":
                 flat["agent_socket"] = ""
             (self.work / f"{member}.conf").write_text(json.dumps(flat))
             ipam = {"type": "whereabouts", "configuration_path": str(self.work / f"{member}.conf"),
-                    "log_file": str(self.work / f"{member}-plugin.log"), "log_level": "verbose",
-                    **ranges}
+                    "log_level": "verbose", **ranges}
             self.netconf[member] = json.dumps(
                 {"cniVersion": "1.0.0", "name": NETWORK, "type": "macvlan", "ipam": ipam})
         nad_ipam = {"type": "whereabouts", **ranges}
@@ -231,6 +233,9 @@ class Fleet:
             "PATH": "/usr/bin:/bin", "CNI_COMMAND": command, "CNI_CONTAINERID": container_id,
             "CNI_NETNS": f"/var/run/netns/{pod['name']}", "CNI_IFNAME": IFNAME,
             "CNI_PATH": "/opt/cni/bin",
+            # The node's whereabouts directory: the flat files' (a network config may name
+            # files there only).
+            "WHEREABOUTS_CONF_DIR": str(self.work),
             "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={self.ns};K8S_POD_NAME={pod['name']};"
                         f"K8S_POD_UID={pod['uid']};K8S_POD_INFRA_CONTAINER_ID={container_id}",
         }

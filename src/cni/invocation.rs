@@ -5,12 +5,15 @@
 //! [`Invocation::load`] validates it into a [`Request`]; every failure is a CNI error naming the
 //! variable or field and its value.
 
+use std::path::{Path, PathBuf};
+
 use serde_json::{Map, Value};
 
 use super::protocol::{CniArgs, CniError, Code, Command, check_version};
 use super::{requested, slices};
 use crate::alloc::{Attachment, Target};
 use crate::config::netconf::one_address_per_family;
+use crate::config::trust::{self, NamedFile, NodeKeyProblems, TrustedDirs, Untrusted};
 use crate::config::{
     IpamConfig, NetConf, Problem, RangeConfig, Source, StaticAddress, flat, kept_in_slices_problem,
     node_slice_pool_problem, problem, result_shape_problem, validate_ipam,
@@ -31,6 +34,9 @@ pub struct Request {
     pub node: Option<String>,
     /// The address requested for each range (`runtimeConfig.ips`, `args.cni.ips`), if any.
     pub requested: Vec<Option<std::net::IpAddr>>,
+    /// Set when the network config (not the node's flat file) named `ipam.kubeconfig`: the file
+    /// must pass [`NamedFile::check`] before it is read.
+    pub kubeconfig_check: Option<NamedFile>,
     /// Whether this network keeps addresses past their pods.
     pub keep: Keep,
 }
@@ -55,7 +61,8 @@ pub fn target(range: &RangeConfig, ipam: &IpamConfig) -> Target {
 /// Where the flat file comes from.
 #[derive(Debug, Clone)]
 pub enum FlatSource {
-    /// The standard lookup: `configuration_path`, then the well-known paths.
+    /// The standard lookup: a trusted `configuration_path`, the node's directory from the
+    /// environment, then the well-known paths (see `find_flat_file`).
     Lookup,
     /// These paths, in order.
     Paths(Vec<std::path::PathBuf>),
@@ -82,8 +89,11 @@ pub struct Invocation {
     flat_file: Result<Option<flat::FlatFile>, CniError>,
     /// The ipam object the plugin was called for (with its path), the flat file merged in.
     ipam: Option<(String, Value)>,
-    /// The network config named an `agent_socket`, which only the node's flat file may.
-    ignored_agent_socket: bool,
+    /// What the network config may not say: files outside the node's directories (refused by
+    /// `load`) and node keys it set that were ignored (warned of).
+    node_keys: NodeKeyProblems,
+    /// A kubeconfig that the network config named inside the node's directories.
+    kubeconfig_check: Option<NamedFile>,
     /// `NODENAME`, the node's name where node slices need it.
     nodename_env: Option<String>,
 }
@@ -94,15 +104,15 @@ impl Invocation {
         let conf = NetConf::parse(stdin, "network config")
             .map_err(|p| CniError::new(Code::Decode, p.to_string()));
         let runtime_ipam = conf.as_ref().ok().and_then(NetConf::runtime_ipam);
-        let configuration_path = runtime_ipam
-            .as_ref()
-            .and_then(|(_, ipam)| ipam.get("configuration_path")?.as_str());
-        let flat_file = find_flat_file(flat, configuration_path);
-        let mut ignored_agent_socket = false;
-        let ipam = runtime_ipam.map(|(path, ipam)| {
-            let merged = merge(ipam, flat_file.as_ref().ok(), &mut ignored_agent_socket);
-            (path, merged)
-        });
+        let dirs = TrustedDirs::from_env(env);
+        // Judged before anything is opened: the network config is its author's, not the node's.
+        let (node_keys, kubeconfig_check) = match &runtime_ipam {
+            Some((prefix, Value::Object(ipam))) => node_keys(ipam, prefix, &dirs),
+            _ => Default::default(),
+        };
+        let flat_file = find_flat_file(flat, runtime_ipam.as_ref(), &dirs);
+        let ipam =
+            runtime_ipam.map(|(path, ipam)| (path, merge(ipam, flat_file.as_ref().ok(), &dirs)));
         let var = |k: &str| env(k).unwrap_or_default();
         Invocation {
             container_id: var("CNI_CONTAINERID"),
@@ -111,7 +121,8 @@ impl Invocation {
             conf,
             flat_file,
             ipam,
-            ignored_agent_socket,
+            node_keys,
+            kubeconfig_check,
             nodename_env: env("NODENAME"),
         }
     }
@@ -146,6 +157,12 @@ impl Invocation {
     pub fn load(&self, command: Command) -> Result<Request, CniError> {
         let conf = self.conf.clone()?;
         check_version(&conf)?;
+        if let Some(p) = conf.plugins_problem() {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                format!("invalid network config: {p}"),
+            ));
+        }
         let Some((prefix, merged)) = &self.ipam else {
             return Err(CniError::new(
                 Code::InvalidConfig,
@@ -156,10 +173,19 @@ impl Invocation {
         if merged.is_object() {
             self.flat_file.as_ref().map_err(Clone::clone)?;
         }
-        if self.ignored_agent_socket {
-            tracing::warn!(
-                "ipam.agent_socket is taken from the node's flat file only; the network config's is ignored"
-            );
+        // DEL goes on without them (they were dropped from `merged`): a NAD admitted before this
+        // rule must not keep the runtime from deleting its sandboxes.
+        if !self.node_keys.errors.is_empty() && command != Command::Del {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                format!(
+                    "invalid whereabouts config: {}",
+                    problem::join(&self.node_keys.errors)
+                ),
+            ));
+        }
+        for w in self.node_keys.warnings.iter().chain(&self.node_keys.errors) {
+            tracing::warn!("{w}");
         }
         let ipam = validated(merged, prefix)?;
         if let Some(p) = node_slice_pool_problem(prefix, &conf.name, &ipam) {
@@ -215,6 +241,7 @@ impl Invocation {
             node,
             requested,
             keep,
+            kubeconfig_check: self.kubeconfig_check.clone(),
         })
     }
 
@@ -234,27 +261,72 @@ impl Invocation {
     }
 }
 
+/// The network config's node keys judged against the node's directories, and the check of the
+/// kubeconfig it names, if the directories hold it (run on disk when the plugin connects).
+fn node_keys(
+    ipam: &Map<String, Value>,
+    prefix: &str,
+    dirs: &TrustedDirs,
+) -> (NodeKeyProblems, Option<NamedFile>) {
+    let problems = trust::network_config_problems(ipam, prefix, dirs);
+    let kubeconfig = ipam
+        .get("kubernetes")
+        .and_then(|k| k.get("kubeconfig")?.as_str());
+    let check = kubeconfig
+        .and_then(|k| dirs.holding(k))
+        .map(|dir| NamedFile {
+            key: format!("{prefix}.kubernetes.kubeconfig"),
+            dir: dir.to_path_buf(),
+        });
+    (problems, check)
+}
+
+/// The flat file: a network config's `configuration_path` first, if the node's directories hold
+/// it and the file passes [`trust::check_file`] (one that does not exist is passed over, as any
+/// missing candidate is), then the node's directory from the environment, then the well-known
+/// paths.
 fn find_flat_file(
     source: FlatSource,
-    configuration_path: Option<&str>,
+    runtime_ipam: Option<&(String, &Value)>,
+    dirs: &TrustedDirs,
 ) -> Result<Option<flat::FlatFile>, CniError> {
-    let paths = match source {
+    let mut paths = match source {
         FlatSource::Found(found) => return Ok(found),
-        FlatSource::Paths(paths) => paths,
-        FlatSource::Lookup => flat::candidates(configuration_path),
+        FlatSource::Paths(paths) => return load_flat(&paths),
+        FlatSource::Lookup => flat::candidates(dirs.node_dir()),
     };
-    flat::load(&paths).map_err(|p| CniError::new(Code::InvalidConfig, p.to_string()))
+    let named = runtime_ipam.and_then(|(prefix, ipam)| {
+        let path = ipam.get("configuration_path")?.as_str()?;
+        Some((prefix, path, dirs.holding(path)?))
+    });
+    if let Some((prefix, path, dir)) = named {
+        match trust::check_file(Path::new(path), dir) {
+            Ok(real) => paths.insert(0, real),
+            Err(Untrusted::Missing) => {}
+            Err(Untrusted::Refused(why)) => {
+                let p = Problem::with_value(format!("{prefix}.configuration_path"), path, why);
+                return Err(invalid_config(&p));
+            }
+        }
+    }
+    load_flat(&paths)
+}
+
+fn load_flat(paths: &[PathBuf]) -> Result<Option<flat::FlatFile>, CniError> {
+    flat::load(paths).map_err(|p| CniError::new(Code::InvalidConfig, p.to_string()))
 }
 
 /// The ipam object with the flat file merged in. Which socket root's plugin trusts for its
-/// results is the node's decision, not a network config's (anyone who may write a NAD could
-/// otherwise point it at a socket of their own): the config's `agent_socket` is dropped.
-fn merge(ipam: &Value, flat_file: Option<&Option<flat::FlatFile>>, dropped: &mut bool) -> Value {
+/// results, where root's plugin writes its log and which credentials it uses are the node's
+/// decisions, not a network config's (anyone who may write a NAD could otherwise point them at a
+/// socket or a file of their own): the config's `agent_socket` and `log_file`, and file keys
+/// outside the node's directories, are dropped; the flat file's apply.
+fn merge(ipam: &Value, flat_file: Option<&Option<flat::FlatFile>>, dirs: &TrustedDirs) -> Value {
     let Some(obj) = ipam.as_object() else {
         return ipam.clone();
     };
     let mut merged: Map<String, Value> = obj.clone();
-    *dropped = merged.remove("agent_socket").is_some();
+    trust::strip_node_keys(&mut merged, dirs);
     if let Some(Some((path, flat_conf))) = flat_file {
         tracing::debug!(path = %path.display(), "merging flat file");
         flat::merge(&mut merged, flat_conf);
@@ -330,4 +402,12 @@ fn check_result_shape(
 
 fn args_problem(p: Problem) -> CniError {
     CniError::new(Code::InvalidEnv, format!("CNI_ARGS IP: {p}"))
+}
+
+/// A problem of the config, as the plugin reports it.
+pub fn invalid_config(p: &Problem) -> CniError {
+    CniError::new(
+        Code::InvalidConfig,
+        format!("invalid whereabouts config: {p}"),
+    )
 }

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::commands::{ADD_DEADLINE, ROLLBACK_BUDGET, handle_within};
 use super::handoff::{AgentReply, AgentRequest, client};
-use super::invocation::{FlatSource, Invocation, Logging, Request};
+use super::invocation::{FlatSource, Invocation, Logging, Request, invalid_config};
 use super::protocol::{CniError, Code, Command};
 use super::reply::version_reply;
 use crate::alloc::Direct;
@@ -82,15 +82,33 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
 }
 
 async fn run_here(req: &Request) -> Result<Option<super::Reply>, CniError> {
-    let store = connect(req.ipam.kubeconfig.as_deref()).await?;
+    let store = connect(req).await?;
     handle_within(&store, &Direct, req).await
 }
 
-async fn connect(kubeconfig: Option<&str>) -> Result<KubeStore, CniError> {
+/// The plugin's own credentials: the kubeconfig the node's flat file names (or one a network
+/// config names inside the node's directories, once the file has passed the trust checks). Never
+/// the ambient ones (`KUBECONFIG`, `~/.kube/config`): on a control-plane node those are often
+/// cluster-admin, and a config that forgot its kubeconfig must not borrow them.
+async fn connect(req: &Request) -> Result<KubeStore, CniError> {
+    let invalid = |what: String| CniError::new(Code::InvalidConfig, what);
+    let Some(path) = req.ipam.kubeconfig.as_deref() else {
+        return Err(invalid(
+            "no kubeconfig: the node's flat file (whereabouts.d/whereabouts.conf) must name one in kubernetes.kubeconfig; the plugin never uses ambient credentials".into(),
+        ));
+    };
+    let mut path = std::path::PathBuf::from(path);
+    if let Some(check) = &req.kubeconfig_check {
+        path = check.check(&path).map_err(|p| invalid_config(&p))?;
+    }
     let unavailable = |what: String| CniError::new(Code::TryAgainLater, what);
-    let (mut config, namespace) = crate::kubeconfig::load(kubeconfig)
-        .await
-        .map_err(|e| unavailable(e.to_string()))?;
+    let (mut config, namespace) =
+        crate::kubeconfig::load_node(&path)
+            .await
+            .map_err(|e| match e {
+                crate::kubeconfig::KubeconfigError::RunsCommand { .. } => invalid(e.to_string()),
+                _ => unavailable(e.to_string()),
+            })?;
     config.connect_timeout = Some(Duration::from_secs(10));
     config.read_timeout = Some(Duration::from_secs(30));
     let client = kube::Client::try_from(config)

@@ -19,12 +19,17 @@ pub const WELL_KNOWN_PATHS: [&str; 3] = [
 /// Keys the flat file may never supply.
 const NAD_ONLY: &[&str] = &["enable_overlapping_ranges"];
 
-pub fn candidates(configuration_path: Option<&str>) -> Vec<PathBuf> {
-    configuration_path
-        .filter(|p| !p.is_empty())
+/// The flat file's name inside a whereabouts directory.
+pub const FILE_NAME: &str = "whereabouts.conf";
+
+/// Where the flat file is looked for: the node's own directory first (see
+/// [`super::trust::CONF_DIR_ENV`]), then the well-known paths. A network config's
+/// `configuration_path` goes in front once it has passed the trust checks.
+pub fn candidates(node_dir: Option<&Path>) -> Vec<PathBuf> {
+    node_dir
+        .map(|d| d.join(FILE_NAME))
         .into_iter()
-        .chain(WELL_KNOWN_PATHS)
-        .map(PathBuf::from)
+        .chain(WELL_KNOWN_PATHS.map(PathBuf::from))
         .collect()
 }
 
@@ -53,10 +58,10 @@ pub fn load(candidates: &[PathBuf]) -> Result<Option<FlatFile>, Problem> {
     Ok(None)
 }
 
-/// Reads a regular file of at most [`MAX_FLAT_FILE_BYTES`]. `configuration_path` comes from the
-/// network config, which anyone who may write a NAD controls: `/dev/zero` must not exhaust the
-/// node's memory at every ADD, nor a FIFO block it (opening one waits for a writer), so anything
-/// but a regular file is refused before it is opened.
+/// Reads a regular file of at most [`MAX_FLAT_FILE_BYTES`]. Defence in depth (a network config's
+/// `configuration_path` must pass the trust checks before it gets here): `/dev/zero` must not
+/// exhaust the node's memory at every ADD, nor a FIFO block it (opening one waits for a writer),
+/// so anything but a regular file is refused before it is opened.
 fn read(path: &Path) -> std::io::Result<String> {
     use std::io::Read as _;
     let meta = std::fs::metadata(path)?;
@@ -160,7 +165,10 @@ mod tests {
         let e = load(&[a.clone(), b]).unwrap_err();
         assert!(e.to_string().contains("is not valid JSON"), "{e}");
         assert!(load(&[dir.path().join("none")]).unwrap().is_none());
-        assert_eq!(candidates(Some("/x"))[0], PathBuf::from("/x"));
+        assert_eq!(
+            candidates(Some(Path::new("/x")))[0],
+            PathBuf::from("/x/whereabouts.conf")
+        );
         assert_eq!(candidates(None).len(), 3);
     }
 

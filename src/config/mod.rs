@@ -4,6 +4,7 @@ pub mod flat;
 pub mod ipam;
 pub mod netconf;
 pub mod problem;
+pub mod trust;
 
 pub use ipam::{
     DEFAULT_AGENT_SOCKET, IpamConfig, NodeSlice, RangeConfig, Source, StaticAddress, Validated,

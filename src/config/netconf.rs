@@ -108,6 +108,46 @@ impl NetConf {
         }
     }
 
+    /// What is wrong with a conflist's `plugins`, if anything: as soon as the key is there, libcni
+    /// (and Multus) read the config as a conflist, which needs a non-empty list of plugin
+    /// objects; any other shape cannot be loaded at all. `None` for a single plugin's config.
+    /// Only a config that uses whereabouts (see [`NetConf::mentions_whereabouts`]) is ours to
+    /// refuse for it.
+    pub fn plugins_problem(&self) -> Option<Problem> {
+        let plugins = self.value.get("plugins")?;
+        let why = "libcni reads a config with a plugins key as a conflist and cannot load this one";
+        let Some(list) = plugins.as_array() else {
+            return Some(Problem::with_value(
+                "plugins",
+                plugins,
+                format!("must be a list of plugin configs: {why}"),
+            ));
+        };
+        if list.is_empty() {
+            return Some(Problem::at("plugins", format!("is empty: {why}")));
+        }
+        let (i, p) = list.iter().enumerate().find(|(_, p)| !p.is_object())?;
+        Some(Problem::with_value(
+            format!("plugins[{i}]"),
+            p,
+            format!("must be a JSON object (a plugin config): {why}"),
+        ))
+    }
+
+    /// True when any ipam object of the config, at the top or in a plugin, is whereabouts'.
+    pub fn mentions_whereabouts(&self) -> bool {
+        let top = self.value.get("ipam").is_some_and(is_whereabouts);
+        let listed = self
+            .value
+            .get("plugins")
+            .and_then(Value::as_array)
+            .is_some_and(|list| {
+                list.iter()
+                    .any(|p| p.get("ipam").is_some_and(is_whereabouts))
+            });
+        top || listed
+    }
+
     /// Every whereabouts ipam object, with the path it sits at (`ipam` or `plugins[i].ipam`).
     pub fn whereabouts_ipams(&self) -> Vec<(String, &Value)> {
         match self.value.get("plugins").and_then(Value::as_array) {
@@ -190,6 +230,37 @@ mod tests {
                 NetConf::parse(&format!(r#"{{{missing}"type":"bridge"}}"#), "stdin").unwrap();
             assert_eq!(conf.cni_version, "0.1.0");
         }
+    }
+
+    #[test]
+    fn conflists_must_hold_plugin_objects() {
+        let problem = |c: &str| {
+            let conf = NetConf::parse(c, "stdin").unwrap();
+            (
+                conf.plugins_problem().map(|p| p.to_string()),
+                conf.mentions_whereabouts(),
+            )
+        };
+        let wa = r#""ipam":{"type":"whereabouts","range":"10.0.0.0/24"}"#;
+        let (p, ours) = problem(&format!(r#"{{{wa},"plugins":[null,{{"type":"tuning"}}]}}"#));
+        assert!(
+            p.unwrap()
+                .starts_with("plugins[0] \"null\" must be a JSON object (a plugin config)")
+        );
+        assert!(ours);
+        let (p, _) = problem(&format!(r#"{{{wa},"plugins":"x"}}"#));
+        assert!(
+            p.unwrap()
+                .starts_with(r#"plugins "\"x\"" must be a list of plugin configs"#)
+        );
+        let (p, _) = problem(&format!(r#"{{{wa},"plugins":[]}}"#));
+        assert!(p.unwrap().starts_with("plugins is empty"));
+        let (p, ours) = problem(&format!(r#"{{"plugins":[{{"type":"macvlan",{wa}}}]}}"#));
+        assert_eq!(p, None);
+        assert!(ours);
+        let (p, ours) = problem(r#"{"type":"macvlan","ipam":{"type":"host-local"}}"#);
+        assert_eq!(p, None);
+        assert!(!ours);
     }
 
     #[test]

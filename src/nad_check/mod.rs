@@ -84,6 +84,15 @@ pub fn check_spec_config(config: &str) -> NadCheck {
             return out;
         }
     };
+    if let Some(p) = conf
+        .plugins_problem()
+        .filter(|_| conf.mentions_whereabouts())
+    {
+        // Nothing in it can be loaded, so nothing else is judged (the plugin refuses it alike).
+        out.whereabouts = true;
+        out.errors.push(p);
+        return out;
+    }
     let ipams = conf.whereabouts_ipams();
     if ipams.is_empty() {
         return out;

@@ -228,7 +228,8 @@ fn without_an_agent_the_plugin_runs_the_request_itself() {
     let r = ns.cni("ADD", &off, "c3", "net1", "pod3", "u3");
     assert_eq!(r.addresses(), ["10.41.0.4/24"]);
     assert!(
-        r.stderr.contains("taken from the node's flat file only"),
+        r.stderr
+            .contains("ipam.agent_socket is node configuration, read from the flat file only"),
         "{}",
         r.stderr
     );

@@ -305,7 +305,16 @@ pub struct CniCall<'a> {
 }
 
 impl CniCall<'_> {
+    /// Runs `bin` on a node whose whereabouts directory (`WHEREABOUTS_CONF_DIR`) is the one that
+    /// holds the flat file the config names, as the node's own directory holds its flat file.
     pub fn spawn(&self, bin: PathBuf) -> std::process::Child {
+        let flat_dir = flat_file_dir(self.conf);
+        self.spawn_on(bin, flat_dir.as_deref())
+    }
+
+    /// Runs `bin` on a node whose whereabouts directory is `node_dir` (none: only the well-known
+    /// ones).
+    pub fn spawn_on(&self, bin: PathBuf, node_dir: Option<&Path>) -> std::process::Child {
         let mut cmd = Command::new(bin);
         cmd.env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -323,6 +332,9 @@ impl CniCall<'_> {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if let Some(dir) = node_dir {
+            cmd.env(whereabouts::config::trust::CONF_DIR_ENV, dir);
+        }
         let mut child = cmd.spawn().expect("spawn CNI plugin");
         // A command that needs no config (VERSION) may exit before reading stdin: a broken pipe
         // here is not a failure, as for a runtime.
@@ -333,6 +345,16 @@ impl CniCall<'_> {
             .write_all(self.conf.to_string().as_bytes());
         child
     }
+}
+
+/// The directory of the flat file that a network config names (`configuration_path` of its
+/// ipam, or of its first plugin's in a conflist).
+fn flat_file_dir(conf: &Value) -> Option<PathBuf> {
+    let ipam = conf
+        .get("ipam")
+        .or_else(|| conf.get("plugins")?.get(0)?.get("ipam"))?;
+    let path = Path::new(ipam.get("configuration_path")?.as_str()?);
+    Some(path.parent()?.to_path_buf())
 }
 
 /// The outcome of one plugin run.

@@ -13,4 +13,5 @@ mod netns;
 mod operator;
 mod slices;
 mod status;
+mod trust;
 mod webhook;

@@ -83,6 +83,7 @@ impl SimNode {
                 ),
             )
             .envs((bin != whereabouts_bin()).then(|| ("NODENAME", self.name.clone())))
+            .env(whereabouts::config::trust::CONF_DIR_ENV, &self.dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

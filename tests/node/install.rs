@@ -243,8 +243,7 @@ fn the_plugin_runs_in_an_empty_root() {
     assert_eq!(entries.len(), 3, "{entries:?}");
 
     let conf = json!({"cniVersion": "1.0.0", "name": "chroot-net", "type": "bridge",
-        "ipam": {"type": "whereabouts", "range": "10.87.0.0/24", "agent_socket": "",
-                 "configuration_path": "/whereabouts.conf"}})
+        "ipam": {"type": "whereabouts", "range": "10.87.0.0/24", "agent_socket": ""}})
     .to_string();
     let run = |command: &str| {
         let mut child = Command::new("/usr/sbin/chroot")
@@ -257,6 +256,8 @@ fn the_plugin_runs_in_an_empty_root() {
                 ("CNI_NETNS", "/var/run/netns/none"),
                 ("CNI_IFNAME", "net1"),
                 ("CNI_PATH", "/"),
+                // The node's whereabouts directory is the root: its flat file is /whereabouts.conf.
+                ("WHEREABOUTS_CONF_DIR", "/"),
                 (
                     "CNI_ARGS",
                     "IgnoreUnknown=1;K8S_POD_NAMESPACE=chroot;K8S_POD_NAME=p;K8S_POD_UID=u1",

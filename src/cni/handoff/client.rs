@@ -26,6 +26,10 @@ pub fn call(
 ) -> Result<Option<AgentReply>, CniError> {
     let mut stream = match connect(socket) {
         Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            tracing::warn!(socket = %socket.display(), error = %e, "not a node agent; running the request here");
+            return Ok(None);
+        }
         Err(e) => {
             tracing::debug!(socket = %socket.display(), error = %e, "no node agent; running the request here");
             return Ok(None);
@@ -67,6 +71,19 @@ pub fn call(
         .map_err(|e| lost(format!("unreadable answer: {e}")))
 }
 
+/// The agent's answer becomes the plugin's result, so only root's (or the plugin's own user's)
+/// process may give it: a socket that someone else bound (a stale path taken over, a wrong
+/// mount) is not an agent, and the plugin runs the request itself.
+fn check_peer(peer: u32, own: u32) -> std::io::Result<()> {
+    if peer == 0 || peer == own {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!("the process listening there runs as uid {peer}, not root: not trusted"),
+    ))
+}
+
 /// Connects without blocking on an agent that does not accept (a full backlog would block a
 /// plain connect for good): an agent that cannot take the connection at once is not used.
 fn connect(socket: &Path) -> std::io::Result<UnixStream> {
@@ -79,7 +96,22 @@ fn connect(socket: &Path) -> std::io::Result<UnixStream> {
             .await
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
     })?;
+    check_peer(stream.peer_cred()?.uid(), crate::config::trust::own_uid())?;
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
     Ok(stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_root_or_ourselves_is_an_agent() {
+        assert!(check_peer(0, 1000).is_ok());
+        assert!(check_peer(1000, 1000).is_ok());
+        let e = check_peer(1000, 0).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied);
+        assert!(e.to_string().contains("uid 1000, not root"), "{e}");
+    }
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::protocol::CniError;
+use crate::config::trust::CONF_DIR_ENV;
 
 /// Larger requests are refused: a network config is a few kilobytes.
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
@@ -65,7 +66,8 @@ impl From<CniError> for AgentReply {
 }
 
 impl AgentRequest {
-    /// The request for this invocation: the `CNI_*` variables of `vars`, stdin and the flat file.
+    /// The request for this invocation: the `CNI_*` variables (and [`CONF_DIR_ENV`]) of `vars`,
+    /// stdin and the flat file.
     pub fn new(
         vars: impl IntoIterator<Item = (String, String)>,
         stdin: &str,
@@ -74,7 +76,9 @@ impl AgentRequest {
         AgentRequest {
             env: vars
                 .into_iter()
-                .filter(|(k, _)| k.starts_with("CNI_"))
+                // The node's directory too: the agent judges the network config's files
+                // against the directories of the plugin's node, not its own container's.
+                .filter(|(k, _)| k.starts_with("CNI_") || k == CONF_DIR_ENV)
                 .collect(),
             stdin: stdin.to_owned(),
             flat_file: flat_file.map(|(path, conf)| ForwardedFlatFile { path, conf }),
@@ -91,9 +95,14 @@ mod tests {
         let vars = [
             ("CNI_COMMAND".to_owned(), "ADD".to_owned()),
             ("HOME".to_owned(), "/root".to_owned()),
+            (CONF_DIR_ENV.to_owned(), "/srv/wa".to_owned()),
         ];
         let req = AgentRequest::new(vars, "{}", None);
-        assert_eq!(req.env.keys().collect::<Vec<_>>(), ["CNI_COMMAND"]);
+        assert_eq!(
+            req.env.keys().collect::<Vec<_>>(),
+            ["CNI_COMMAND", CONF_DIR_ENV]
+        );
+        let req = AgentRequest::new([("CNI_COMMAND".to_owned(), "ADD".to_owned())], "{}", None);
         let text = serde_json::to_string(&req).unwrap();
         assert_eq!(
             text,

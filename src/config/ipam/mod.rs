@@ -20,6 +20,7 @@ use ipnet::IpNet;
 use serde_json::{Map, Value};
 
 use super::problem::Problem;
+use super::trust::{self, TrustedDirs};
 use crate::ipam::{AddrRange, Family};
 use addresses::{read_addresses, read_routes};
 use ranges::{check_network_name, check_node_slice, check_overlaps, read_ranges};
@@ -204,11 +205,12 @@ pub fn validate_ipam(ipam: &Value, prefix: &str, source: Source) -> Validated {
     let cfg = read_config(&mut r, source);
     check_ranges(&mut r, &cfg);
     let mut errors = r.errors;
-    if source == Source::Nad && obj.contains_key("agent_socket") {
-        out.warnings.push(Problem::at(
-            format!("{prefix}.agent_socket"),
-            "is node configuration, read from the flat file only: ignored in a network config",
-        ));
+    if source == Source::Nad {
+        // The node's directories as every node has them; the plugin checks the same text (and the
+        // file itself) against its own node's, which may add one (`trust::CONF_DIR_ENV`).
+        let node_keys = trust::network_config_problems(obj, prefix, &TrustedDirs::well_known());
+        errors.extend(node_keys.errors);
+        out.warnings.extend(node_keys.warnings);
     }
     if !declares_range(obj) {
         missing_range(prefix, source, &mut errors, &mut out.warnings);
@@ -249,14 +251,17 @@ fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
         .and_then(Value::as_str)
         .filter(|s| !s.is_empty())
         .map(str::to_owned);
-    let log_file = r.string("log_file").map(str::to_owned);
     let log_level = r.string("log_level").map(str::to_owned);
-    // The plugin drops a network config's agent_socket (the node's flat file decides), so in a
-    // NAD its value is not judged, only pointed out below: refusing it would refuse a NAD every
-    // ADD accepts (found by fuzz/cni_config's validator-agreement property).
-    let agent_socket = match source {
-        Source::Runtime => read_agent_socket(r),
-        Source::Nad => None,
+    // The plugin drops a network config's agent_socket and log_file (the node's flat file
+    // decides), so in a NAD their values are not judged, only pointed out (`trust`): refusing
+    // them would refuse a NAD every ADD accepts (found by fuzz/cni_config's validator-agreement
+    // property).
+    let (agent_socket, log_file) = match source {
+        Source::Runtime => (
+            read_agent_socket(r),
+            r.string("log_file").map(str::to_owned),
+        ),
+        Source::Nad => (None, None),
     };
     r.string("configuration_path");
     let sticky_statefulset = r.bool("sticky_statefulset").unwrap_or(false);
