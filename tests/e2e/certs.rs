@@ -82,11 +82,13 @@ impl Drop for Shipped {
 fn invalid_nad(ns: &Ns, name: &str) -> std::process::Output {
     let config = json!({"cniVersion": "1.0.0", "name": name, "type": "macvlan",
         "ipam": {"type": "whereabouts", "range": "10.0.0.0/24", "range_start": "10.9.9.9"}});
-    ns.apply(
-        &json!({"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
-        "metadata": {"name": name, "namespace": ns.name}, "spec": {"config": config.to_string()}})
-        .to_string(),
-    )
+    ns.apply(&nad_object(ns, name, &config.to_string()))
+}
+
+fn nad_object(ns: &Ns, name: &str, config: &str) -> String {
+    json!({"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": name, "namespace": ns.name}, "spec": {"config": config}})
+    .to_string()
 }
 
 fn start(ns: &Ns, shipped: &Shipped, port: u16, name: &str) -> OperatorProcess {
@@ -177,6 +179,23 @@ fn the_operator_makes_its_webhook_certificate_and_injects_its_ca() {
     // Fail from now on: the API server cannot reach this Service here, so a NAD change is refused.
     let out = invalid_nad(&ns, "after");
     assert!(!out.status.success(), "the policy is Fail now");
+    // ... but only for whereabouts NADs (the shipped matchConditions): with the webhook
+    // unreachable, a NAD of another IPAM still gets in, and one that spells the type with a JSON
+    // escape is still sent to the webhook (and so refused here).
+    let other = json!({"cniVersion": "1.0.0", "name": "sriov", "type": "sriov",
+        "ipam": {"type": "host-local", "subnet": "10.8.0.0/24"}});
+    let out = ns.apply(&nad_object(&ns, "other-ipam", &other.to_string()));
+    assert!(
+        out.status.success(),
+        "a host-local NAD was sent to the webhook: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let escaped = r#"{"cniVersion": "1.0.0", "name": "e", "type": "macvlan", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}}"#;
+    let out = ns.apply(&nad_object(&ns, "escaped", escaped));
+    assert!(
+        !out.status.success(),
+        "an escaped whereabouts NAD skipped the webhook"
+    );
     // A restart (or another replica) keeps the same certificate.
     drop(op);
     let _op = start(&ns, &shipped, port, "op-b");
