@@ -41,17 +41,35 @@ pub struct AgentArgs {
     /// How long requests in flight may finish after SIGTERM.
     #[arg(long, env = "WHEREABOUTS_GRACE", default_value = "20s", value_parser = parse_duration)]
     pub grace: Duration,
-    /// Plain-HTTP address for /metrics, /livez and /readyz. The DaemonSet runs on the host
-    /// network, so this is a port of the node: 9437 is clear of the kubelet (10248, 10250),
-    /// kube-proxy (10249, 10256), node-exporter (9100), Calico (9091, 9099), Cilium (9879, 9890,
-    /// 9962-9965) and NodePorts (30000-32767).
+    /// Plain-HTTP address for /metrics, /livez and /readyz: `IP:PORT`, `[IPv6]:PORT`, or an
+    /// IPv6 address without brackets followed by `:PORT` (the last colon is the port's, so the
+    /// downward API's `status.hostIP` works for either family). The DaemonSet runs on the host
+    /// network, so this is a port of the node: it binds the node's own address there, never every
+    /// address (the default is loopback). 9437 is clear of the kubelet (10248, 10250), kube-proxy
+    /// (10249, 10256), node-exporter (9100), Calico (9091, 9099), Cilium (9879, 9890, 9962-9965)
+    /// and NodePorts (30000-32767).
     #[arg(
         long,
         env = "WHEREABOUTS_ADMIN_ADDR",
-        default_value = "0.0.0.0:9437",
-        value_name = "ADDR"
+        default_value = "127.0.0.1:9437",
+        value_name = "ADDR",
+        value_parser = parse_admin_addr
     )]
     pub admin_addr: SocketAddr,
+}
+
+/// `--admin-addr`: a socket address, or an unbracketed IPv6 address and a port.
+pub fn parse_admin_addr(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    let bad = || {
+        format!("{text:?} is not an address and port (10.0.0.1:9437, [fd00::1]:9437, fd00::1:9437)")
+    };
+    let (ip, port) = text.rsplit_once(':').ok_or_else(bad)?;
+    let ip: std::net::Ipv6Addr = ip.parse().map_err(|_| bad())?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    Ok(SocketAddr::from((ip, port)))
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
@@ -116,5 +134,30 @@ async fn serve_admin(
         .check("socket", move || ready.ready());
     if let Err(e) = axum::serve(listener, admin::router(state)).await {
         tracing::error!(error = %e, "the admin port stopped; /livez fails and the kubelet restarts the agent");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_addresses_of_either_family() {
+        let ok = |t: &str| parse_admin_addr(t).unwrap().to_string();
+        assert_eq!(ok("10.0.0.1:9437"), "10.0.0.1:9437");
+        assert_eq!(ok("[fd00::1]:9437"), "[fd00::1]:9437");
+        assert_eq!(ok("fd00::1:9437"), "[fd00::1]:9437");
+        for bad in [
+            "",
+            "9437",
+            "10.0.0.1",
+            "10.0.0.1:x",
+            "node:9437",
+            ":9437",
+            "fd00::1:99999",
+        ] {
+            let e = parse_admin_addr(bad).unwrap_err();
+            assert!(e.contains("is not an address and port"), "{bad}: {e}");
+        }
     }
 }

@@ -210,6 +210,31 @@ fn the_agent_serves_the_kubelets_pods() {
     });
 }
 
+/// The agent's admin port (plain HTTP on the host network) is the node's own address, which the
+/// kubelet probes (the DaemonSet is Ready through it), and not every address of the host.
+#[test]
+fn the_agents_admin_port_listens_on_the_node_address_only() {
+    let _ = node();
+    let out = Command::new("ss")
+        .args(["-Hltn", "sport = :9437"])
+        .output()
+        .expect("ss");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let locals: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(3))
+        .collect();
+    assert!(!locals.is_empty(), "nothing listens on 9437: {text}");
+    for local in &locals {
+        assert!(
+            !(local.starts_with("0.0.0.0:")
+                || local.starts_with("*:")
+                || local.starts_with("[::]:")),
+            "the agent's admin port listens on every address: {locals:?}"
+        );
+    }
+}
+
 /// ADDs the node agent logged as served, over every agent container's log.
 fn agent_served() -> usize {
     agent_log()
