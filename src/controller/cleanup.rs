@@ -1,15 +1,18 @@
 //! Releasing a pod's addresses when the pod goes away.
 //!
 //! A pod is due when it is deleted, reaches phase Succeeded or Failed, or is marked for deletion
-//! after its node was lost. Its entries are found in the pool cache by the ownership rules (podref
+//! after its node was lost (the taint manager's eviction, or `NodeLost`, of a pod whose node is
+//! not Ready). A graceful termination on a live node is not due: drains, preemption and evictions
+//! mark the pod (`DisruptionTarget`) when its containers start stopping, and they may run for
+//! the whole grace period; the kubelet's DEL frees the addresses when the sandbox goes. Its entries are found in the pool cache by the ownership rules (podref
 //! and UID, or the network-status addresses for UID-less entries) and removed with conditional
 //! writes, so an entry re-bound to a newer pod of the same name in the meantime is never touched.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{ObjectReference, Pod, PodStatus};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod, PodSpec, PodStatus};
 use kube::ResourceExt;
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{ObjectRef, Store};
 
 use super::Context;
 use super::pools::{PoolView, entries_of_pod};
@@ -22,9 +25,13 @@ use crate::store::Datastore;
 use crate::store::StoreError;
 
 /// Keeps only what cleanup needs, so a cache of 10,000 pods stays small: name, namespace, UID,
-/// deletion state, the network-status annotation, phase, reason and the DisruptionTarget condition.
+/// deletion state, the network-status annotation, the node, phase, reason and the
+/// DisruptionTarget condition.
 pub fn trim(pod: &mut Pod) {
-    pod.spec = None;
+    pod.spec = pod.spec.take().map(|s| PodSpec {
+        node_name: s.node_name,
+        ..Default::default()
+    });
     let m = &mut pod.metadata;
     m.managed_fields = None;
     m.labels = None;
@@ -55,19 +62,62 @@ pub enum Trigger {
     NodeLost,
 }
 
-/// For a pod that still exists: is it done with its addresses?
-pub fn finished(pod: &Pod) -> Option<Trigger> {
+/// What the operator's Node cache says of a pod's node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeHealth {
+    /// Ready: its kubelet runs the pod's containers and will run its DEL.
+    Ready,
+    /// NotReady or Unknown: its kubelet may be gone, or only cut off.
+    NotReady,
+    /// No such node (or the pod names none): nothing of the pod runs anywhere.
+    Gone,
+}
+
+/// The health of `pod`'s node, from `nodes` (trimmed by the watch to their Ready condition).
+pub fn node_health(pod: &Pod, nodes: &Store<Node>) -> NodeHealth {
+    let name = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    let Some(node) = name.and_then(|n| nodes.get(&ObjectRef::new(n))) else {
+        return NodeHealth::Gone;
+    };
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if ready {
+        NodeHealth::Ready
+    } else {
+        NodeHealth::NotReady
+    }
+}
+
+/// The DisruptionTarget reason of a pod whose node was lost: the taint manager evicts the pods of
+/// a node that went NotReady or Unknown (as upstream whereabouts frees them).
+const TAINT_MANAGER: &str = "DeletionByTaintManager";
+
+/// For a pod that still exists: is it done with its addresses? Finished pods are; a pod marked
+/// for deletion is only when its node is lost (the taint manager's eviction, or `NodeLost`) and
+/// that node is not Ready. Every other termination is graceful: drains and autoscaler scale-down
+/// (`EvictionByEvictionAPI`), preemption (`PreemptionByScheduler`), `DeletionByPodGC`,
+/// `TerminationByKubelet` and plain deletes leave the containers running for their grace period,
+/// and the kubelet's DEL frees the addresses when the sandbox goes.
+pub fn finished(pod: &Pod, node: NodeHealth) -> Option<Trigger> {
     let status = pod.status.as_ref()?;
     if matches!(status.phase.as_deref(), Some("Succeeded") | Some("Failed")) {
         return Some(Trigger::Finished);
     }
-    let evicted = status.reason.as_deref() == Some("NodeLost")
-        || status
-            .conditions
-            .iter()
-            .flatten()
-            .any(|c| c.type_ == "DisruptionTarget" && c.status == "True");
-    (pod.metadata.deletion_timestamp.is_some() && evicted).then_some(Trigger::NodeLost)
+    if pod.metadata.deletion_timestamp.is_none() || node == NodeHealth::Ready {
+        return None;
+    }
+    let lost = status.reason.as_deref() == Some("NodeLost")
+        || status.conditions.iter().flatten().any(|c| {
+            c.type_ == "DisruptionTarget"
+                && c.status == "True"
+                && c.reason.as_deref() == Some(TAINT_MANAGER)
+        });
+    lost.then_some(Trigger::NodeLost)
 }
 
 /// The identity the ownership rules need. A malformed annotation is logged and treated as absent:
@@ -301,8 +351,16 @@ mod tests {
     #[test]
     fn trimming_keeps_what_cleanup_needs() {
         let mut p = pod("Running");
+        p.spec = Some(PodSpec {
+            node_name: Some("node-1".into()),
+            hostname: Some("web-0".into()),
+            ..Default::default()
+        });
         trim(&mut p);
-        assert!(p.spec.is_none());
+        let spec = p.spec.as_ref().unwrap();
+        assert_eq!(spec.node_name.as_deref(), Some("node-1"));
+        assert_eq!(spec.hostname, None);
+        assert!(spec.containers.is_empty());
         assert_eq!(p.annotations().len(), 1);
         assert_eq!(p.status.as_ref().unwrap().host_ip, None);
         assert_eq!(
@@ -317,24 +375,95 @@ mod tests {
 
     #[test]
     fn finished_pods() {
-        assert_eq!(finished(&pod("Running")), None);
-        assert_eq!(finished(&pod("Succeeded")), Some(Trigger::Finished));
-        assert_eq!(finished(&pod("Failed")), Some(Trigger::Finished));
-        let mut lost = pod("Running");
-        lost.metadata.deletion_timestamp = Some(
+        use NodeHealth::*;
+        for node in [Ready, NotReady, Gone] {
+            assert_eq!(finished(&pod("Running"), node), None);
+            assert_eq!(finished(&pod("Succeeded"), node), Some(Trigger::Finished));
+            assert_eq!(finished(&pod("Failed"), node), Some(Trigger::Finished));
+        }
+        let mut terminating = pod("Running");
+        terminating.metadata.deletion_timestamp = Some(
             k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
         );
-        assert_eq!(
-            finished(&lost),
-            None,
-            "a graceful deletion is not a lost node"
-        );
-        lost.status.as_mut().unwrap().conditions = Some(vec![PodCondition {
-            type_: "DisruptionTarget".into(),
-            status: "True".into(),
-            ..Default::default()
-        }]);
-        assert_eq!(finished(&lost), Some(Trigger::NodeLost));
+        for node in [Ready, NotReady, Gone] {
+            assert_eq!(finished(&terminating, node), None, "a graceful deletion");
+        }
+        // Every graceful termination that Kubernetes marks: never due, whatever the node.
+        let marked = |reason: &str| {
+            let mut p = terminating.clone();
+            p.status.as_mut().unwrap().conditions = Some(vec![PodCondition {
+                type_: "DisruptionTarget".into(),
+                status: "True".into(),
+                reason: Some(reason.into()),
+                ..Default::default()
+            }]);
+            p
+        };
+        for reason in [
+            "EvictionByEvictionAPI",
+            "PreemptionByScheduler",
+            "DeletionByPodGC",
+            "TerminationByKubelet",
+        ] {
+            for node in [Ready, NotReady, Gone] {
+                assert_eq!(
+                    finished(&marked(reason), node),
+                    None,
+                    "{reason} on {node:?}"
+                );
+            }
+        }
+        // The taint manager's eviction of a lost node's pod: due, unless the node is Ready again
+        // (a NoExecute taint an admin set on a live node evicts gracefully too).
+        let evicted = marked(TAINT_MANAGER);
+        assert_eq!(finished(&evicted, NotReady), Some(Trigger::NodeLost));
+        assert_eq!(finished(&evicted, Gone), Some(Trigger::NodeLost));
+        assert_eq!(finished(&evicted, Ready), None);
+        let mut node_lost = terminating.clone();
+        node_lost.status.as_mut().unwrap().reason = Some("NodeLost".into());
+        assert_eq!(finished(&node_lost, NotReady), Some(Trigger::NodeLost));
+        assert_eq!(finished(&node_lost, Ready), None);
+    }
+
+    #[test]
+    fn node_health_reads_the_ready_condition() {
+        use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+        let (store, mut writer) = kube::runtime::reflector::store::<Node>();
+        let node = |name: &str, ready: Option<&str>| {
+            let mut n = Node::default();
+            n.metadata.name = Some(name.into());
+            n.status = Some(NodeStatus {
+                conditions: ready.map(|r| {
+                    vec![NodeCondition {
+                        type_: "Ready".into(),
+                        status: r.into(),
+                        ..Default::default()
+                    }]
+                }),
+                ..Default::default()
+            });
+            n
+        };
+        for n in [
+            node("up", Some("True")),
+            node("down", Some("Unknown")),
+            node("new", None),
+        ] {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(n));
+        }
+        let on = |name: Option<&str>| {
+            let mut p = pod("Running");
+            p.spec = Some(PodSpec {
+                node_name: name.map(Into::into),
+                ..Default::default()
+            });
+            node_health(&p, &store)
+        };
+        assert_eq!(on(Some("up")), NodeHealth::Ready);
+        assert_eq!(on(Some("down")), NodeHealth::NotReady);
+        assert_eq!(on(Some("new")), NodeHealth::NotReady);
+        assert_eq!(on(Some("deleted")), NodeHealth::Gone);
+        assert_eq!(on(None), NodeHealth::Gone);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod};
 use kube::api::Api;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -47,7 +47,9 @@ pub(super) async fn all(
     wakes: Wakes,
 ) {
     let slices_changed = wakes.slices;
-    let pod_events = pod_events(client.clone(), w.pods, jobs, wakes.holders.clone());
+    // Pod events read the nodes' health: a lost node's evicted pods are due, others are not.
+    let nodes = w.nodes.as_reader();
+    let pod_events = pod_events(client.clone(), w.pods, nodes, jobs, wakes.holders.clone());
     let pool_watch = logged_watch(
         Api::<IPPool>::namespaced(client.clone(), namespace),
         w.pools,
@@ -120,6 +122,7 @@ pub(super) async fn all(
 fn pod_events(
     client: Client,
     writer: reflector::store::Writer<Pod>,
+    nodes: reflector::Store<Node>,
     tx: mpsc::UnboundedSender<Job>,
     holders_changed: Arc<Notify>,
 ) -> impl std::future::Future<Output = ()> {
@@ -132,19 +135,23 @@ fn pod_events(
             // A StatefulSet scaled down frees its ordinals' addresses once their pods are gone.
             holders_changed.notify_one();
         }
-        if let Some(job) = due_job(&event) {
+        if let Some(job) = due_job(&event, &nodes) {
             let _ = tx.send(job);
         }
         futures::future::ready(())
     })
 }
 
-/// The release a pod event makes due: a deleted pod's, or a finished one's.
-fn due_job(event: &Result<watcher::Event<Pod>, watcher::Error>) -> Option<Job> {
+/// The release a pod event makes due: a deleted pod's, or a finished one's (see
+/// [`cleanup::finished`]: a graceful termination is not).
+fn due_job(
+    event: &Result<watcher::Event<Pod>, watcher::Error>,
+    nodes: &reflector::Store<Node>,
+) -> Option<Job> {
     let due = match event {
         Ok(watcher::Event::Delete(p)) => Some((p, Trigger::Deleted)),
         Ok(watcher::Event::Apply(p)) | Ok(watcher::Event::InitApply(p)) => {
-            cleanup::finished(p).map(|t| (p, t))
+            cleanup::finished(p, cleanup::node_health(p, nodes)).map(|t| (p, t))
         }
         Ok(_) => None,
         Err(e) => {
@@ -181,10 +188,16 @@ where
         .for_each(move |e| log_watch_error(kind, e))
 }
 
-/// Only a node's name matters here: the rest of a Node object is dropped from the cache.
+/// A node's name and its Ready condition (is its kubelet there to run DELs?) are all that matter
+/// here: the rest of a Node object is dropped from the cache.
 fn trim_node(node: &mut Node) {
     node.spec = None;
-    node.status = None;
+    node.status = node.status.take().map(|s| NodeStatus {
+        conditions: s
+            .conditions
+            .map(|c| c.into_iter().filter(|c| c.type_ == "Ready").collect()),
+        ..Default::default()
+    });
     node.metadata.managed_fields = None;
     node.metadata.annotations = None;
     node.metadata.labels = None;

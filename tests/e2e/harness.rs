@@ -131,7 +131,16 @@ impl Ns {
     }
 
     pub fn kubectl_ok(&self, args: &[&str]) -> String {
-        let out = self.kubectl(args, None);
+        self.kubectl_ok_with(args, None)
+    }
+
+    /// [`Ns::kubectl_ok`] with `stdin` (`-f -`).
+    pub fn kubectl_ok_stdin(&self, args: &[&str], stdin: &str) -> String {
+        self.kubectl_ok_with(args, Some(stdin))
+    }
+
+    fn kubectl_ok_with(&self, args: &[&str], stdin: Option<&str>) -> String {
+        let out = self.kubectl(args, stdin);
         assert!(
             out.status.success(),
             "kubectl {args:?}: {}",

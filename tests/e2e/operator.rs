@@ -366,3 +366,148 @@ fn a_dual_stack_nad_creates_both_pools_and_deleting_it_removes_them() {
         op.log()
     );
 }
+
+/// A Node object with a Ready condition of `status`, deleted when dropped (no kubelet runs it:
+/// this control plane has none).
+struct FakeNode {
+    name: String,
+}
+
+impl FakeNode {
+    fn new(ns: &Ns, ready: &str) -> FakeNode {
+        let name = format!("fake-{}", ns.name);
+        let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}});
+        ns.kubectl_ok_stdin(&["create", "-f", "-"], &node.to_string());
+        let n = FakeNode { name };
+        n.set_ready(ns, ready);
+        n
+    }
+
+    fn set_ready(&self, ns: &Ns, status: &str) {
+        let now = "2026-01-01T00:00:00Z";
+        let patch = json!({"status": {"conditions": [{"type": "Ready", "status": status, "reason": "Test",
+            "lastHeartbeatTime": now, "lastTransitionTime": now}]}});
+        ns.kubectl_ok(&[
+            "patch",
+            "node",
+            &self.name,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            &patch.to_string(),
+        ]);
+    }
+}
+
+impl Drop for FakeNode {
+    fn drop(&mut self) {
+        let _ = crate::harness::kubectl_raw(
+            crate::harness::admin_kubeconfig(),
+            &["delete", "node", &self.name, "--wait=false"],
+            None,
+        );
+    }
+}
+
+/// Issue 25: a drain (the Eviction API, which `kubectl drain` and the cluster autoscaler call)
+/// starts a graceful termination: the API server marks the pod `DisruptionTarget:
+/// EvictionByEvictionAPI` and its containers run on for its grace period. Its address stays
+/// with it (it was freed 0.1 s after the eviction, for the replacement to take). Only once its
+/// node is lost and the taint manager evicts it is it freed.
+#[test]
+fn a_drained_pod_keeps_its_address_until_its_node_is_lost() {
+    let ns = Ns::new("op-drain");
+    let node = FakeNode::new(&ns, "True");
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "drained", "namespace": ns.name},
+        "spec": {"nodeName": node.name, "terminationGracePeriodSeconds": 600, "automountServiceAccountToken": false,
+                 "containers": [{"name": "c", "image": "registry.invalid/pause"}]}});
+    let uid = ns.kubectl_ok_stdin(
+        &["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"],
+        &pod.to_string(),
+    );
+    let conf = ns.netconf("1.0.0", json!({"range": "10.73.0.0/24"}));
+    let addrs = ns
+        .cni("ADD", &conf, "c-drained", "net1", "drained", &uid)
+        .addresses();
+    assert_eq!(addrs, ["10.73.0.1/24"]);
+    let eviction = json!({"apiVersion": "policy/v1", "kind": "Eviction",
+        "metadata": {"name": "drained", "namespace": ns.name}});
+    ns.kubectl_ok_stdin(
+        &[
+            "create",
+            "--raw",
+            &format!("/api/v1/namespaces/{}/pods/drained/eviction", ns.name),
+            "-f",
+            "-",
+        ],
+        &eviction.to_string(),
+    );
+    let marked = |reason: &str| {
+        let p = ns.get_json(&["pod", "drained"]).unwrap();
+        p["metadata"]["deletionTimestamp"].is_string()
+            && p["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| {
+                    c["type"] == "DisruptionTarget"
+                        && c["status"] == "True"
+                        && c["reason"] == reason
+                })
+    };
+    assert!(
+        eventually(10, || marked("EvictionByEvictionAPI")),
+        "{:#}",
+        ns.get_json(&["pod", "drained"]).unwrap()
+    );
+    // Terminating, its containers running on: the address stays through audits and the replacement
+    // takes another.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(
+        ns.allocations("10.73.0.0-24").len(),
+        1,
+        "freed during a graceful termination\n{}",
+        op.log()
+    );
+    let replacement = ns.create_pod("replacement", &BTreeMap::new());
+    let addrs = ns
+        .cni(
+            "ADD",
+            &conf,
+            "c-replacement",
+            "net1",
+            "replacement",
+            &replacement,
+        )
+        .addresses();
+    assert_eq!(addrs, ["10.73.0.2/24"]);
+    // The node is lost and the taint manager evicts the pod (as the node lifecycle controller
+    // does after the unreachable taint's toleration): now it is freed, and the replacement keeps
+    // its own.
+    node.set_ready(&ns, "Unknown");
+    let cond = json!({"status": {"conditions": [{"type": "DisruptionTarget", "status": "True",
+        "reason": "DeletionByTaintManager", "message": "Taint manager: deleting due to NoExecute taint",
+        "lastTransitionTime": "2026-01-01T00:00:00Z"}]}});
+    ns.kubectl_ok(&[
+        "patch",
+        "pod",
+        "drained",
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        &cond.to_string(),
+    ]);
+    assert!(
+        eventually(15, || ns.allocations("10.73.0.0-24").len() == 1
+            && ns.allocations("10.73.0.0-24").contains_key("2")),
+        "{:?}\n{}",
+        ns.allocations("10.73.0.0-24"),
+        op.log()
+    );
+    let _ = ns.kubectl(
+        &["delete", "pod", "drained", "--force", "--grace-period=0"],
+        None,
+    );
+}
