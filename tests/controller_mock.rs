@@ -458,3 +458,71 @@ async fn an_api_failure_is_an_error_for_the_retry_queue() {
     assert!(err.to_string().contains("ippools is forbidden"), "{err}");
     server.await.unwrap();
 }
+
+fn get_pod_a(status: StatusCode, uid: &str) -> Call {
+    Call {
+        method: Method::GET,
+        path: "/api/v1/namespaces/ns/pods/a".into(),
+        body: any,
+        status,
+        answer: if status == StatusCode::OK {
+            json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                   "metadata": {"name": "a", "namespace": "ns", "uid": uid}})
+        } else {
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404})
+        },
+    }
+}
+
+/// Issue 25: an entry without a pod UID (upstream's plugin wrote it) is matched to a deleted pod
+/// by name and network-status address. A delayed or retried cleanup of the old pod must not free
+/// it once a replacement of the same name lives: the replacement's ADD refreshed that entry.
+#[tokio::test]
+async fn a_uidless_entry_is_kept_while_a_pod_of_that_name_lives() {
+    let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "")])], false);
+    let calls = vec![get_pod_a(StatusCode::OK, "u-replacement")];
+    let server = tokio::spawn(serve(handle, calls));
+    let old = PodIdentity {
+        addresses: vec!["10.0.0.5".parse().unwrap()],
+        ..pod("u-old")
+    };
+    let outcome = release_pod(&ctx, &old, Trigger::Deleted).await.unwrap();
+    assert!(outcome.released.is_empty(), "{outcome:?}");
+    server.await.unwrap();
+}
+
+/// The same entry with no pod of that name left: released as before, conditionally; and a
+/// finished pod (the same UID still exists) releases its own.
+#[tokio::test]
+async fn a_uidless_entry_of_a_gone_or_finished_pod_is_released() {
+    for (status, uid) in [(StatusCode::NOT_FOUND, ""), (StatusCode::OK, "u-old")] {
+        let (ctx, handle) = context(vec![pool(&[(5, "ns/a", "")])], false);
+        let calls = vec![
+            get_pod_a(status, uid),
+            get_pool(pool(&[(5, "ns/a", "")])),
+            Call {
+                method: Method::PATCH,
+                path: format!("{POOLS}/10.0.0.0-24"),
+                body: |b| assert_eq!(b["spec"]["allocations"]["5"], Value::Null),
+                status: StatusCode::OK,
+                answer: serde_json::to_value(pool(&[])).unwrap(),
+            },
+            Call {
+                method: Method::GET,
+                path: format!("{RESERVATIONS}/10.0.0.5"),
+                body: any,
+                status: StatusCode::NOT_FOUND,
+                answer: json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}),
+            },
+            event_call(),
+        ];
+        let server = tokio::spawn(serve(handle, calls));
+        let old = PodIdentity {
+            addresses: vec!["10.0.0.5".parse().unwrap()],
+            ..pod("u-old")
+        };
+        let outcome = release_pod(&ctx, &old, Trigger::Deleted).await.unwrap();
+        assert_eq!(outcome.released["10.0.0.0-24"].len(), 1, "{status}");
+        server.await.unwrap();
+    }
+}

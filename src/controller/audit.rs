@@ -11,7 +11,6 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Preconditions};
 use kube::{Resource, ResourceExt};
 
@@ -421,19 +420,10 @@ async fn staleness_now(
     entry: &IPAllocation,
     ip: Option<IpAddr>,
 ) -> Result<Option<Stale>, StoreError> {
-    let Some((namespace, name)) = entry.podref.split_once('/') else {
+    if !entry.podref.contains('/') {
         return Ok(None);
-    };
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let pod = api
-        .get_metadata_opt(name)
-        .await
-        .map_err(|e| StoreError::Api {
-            op: "get",
-            object: format!("pod {}", entry.podref),
-            code: 0,
-            message: e.to_string(),
-        })?;
+    }
+    let pod = ctx.pod_now(&entry.podref).await?;
     let mut live = LivePods::default();
     if let Some(pod) = &pod {
         let uid = pod.meta().uid.clone().unwrap_or_default();

@@ -200,6 +200,17 @@ pub async fn release_pods(
             slot.1.extend(entries.into_iter().map(|(o, e)| (o, e, i)));
         }
     }
+    let uidless: BTreeSet<usize> = by_pool
+        .values()
+        .flat_map(|(_, due)| due.iter())
+        .filter(|(_, e, _)| e.poduid.is_empty())
+        .map(|(_, _, i)| *i)
+        .collect();
+    let keep = replaced(ctx, pods, &uidless, &mut outcomes).await;
+    for (_, due) in by_pool.values_mut() {
+        due.retain(|(_, e, i)| !(e.poduid.is_empty() && keep.contains(i)) && outcomes[*i].is_ok());
+    }
+    by_pool.retain(|_, (_, due)| !due.is_empty());
     for (pool, (view, entries)) in by_pool {
         if ctx.opts.dry_run {
             for (offset, entry, _) in &entries {
@@ -221,6 +232,35 @@ pub async fn release_pods(
     }
     publish_released(ctx, pods, &outcomes).await;
     outcomes
+}
+
+/// Of the pods at `indices` (those with UID-less entries due), the ones whose name a live pod of
+/// another incarnation carries now: an entry without a pod UID (upstream's plugin, a runtime that
+/// passes no `K8S_POD_UID`) matched by name and address may be that replacement's, refreshed by
+/// its ADD, so it is kept. A failed read makes that pod's outcome an error, for the retry queue.
+async fn replaced(
+    ctx: &Context,
+    pods: &[(PodIdentity, Trigger)],
+    indices: &BTreeSet<usize>,
+    outcomes: &mut [Result<Outcome, StoreError>],
+) -> BTreeSet<usize> {
+    let mut keep = BTreeSet::new();
+    let list: Vec<usize> = indices.iter().copied().collect();
+    for chunk in list.chunks(PARALLEL_CALLS) {
+        let reads = chunk.iter().map(|i| ctx.pod_now(&pods[*i].0.podref));
+        for (i, read) in chunk.iter().zip(futures::future::join_all(reads).await) {
+            let uid = read.map(|p| p.map(|p| p.metadata.uid.unwrap_or_default()));
+            match uid {
+                Ok(Some(uid)) if uid != pods[*i].0.uid => {
+                    tracing::info!(pod = %pods[*i].0.podref, %uid, "a pod of that name lives: its entries without a pod UID are kept");
+                    keep.insert(*i);
+                }
+                Ok(_) => {}
+                Err(e) => outcomes[*i] = Err(e),
+            }
+        }
+    }
+    keep
 }
 
 /// One pool's part of a batch: the entries in one conditional write, then their reservations.

@@ -170,6 +170,26 @@ impl Context {
         }
     }
 
+    /// The metadata of the pod `podref` (`<namespace>/<name>`) read now from the API server, not
+    /// from the cache (which may lag a deletion or a replacement); `None` when it does not exist.
+    pub async fn pod_now(
+        &self,
+        podref: &str,
+    ) -> Result<Option<kube::core::PartialObjectMeta<Pod>>, crate::store::StoreError> {
+        let Some((namespace, name)) = podref.split_once('/') else {
+            return Ok(None);
+        };
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        api.get_metadata_opt(name)
+            .await
+            .map_err(|e| crate::store::StoreError::Api {
+                op: "get",
+                object: format!("pod {podref}"),
+                code: 0,
+                message: e.to_string(),
+            })
+    }
+
     pub async fn pool_event(&self, pool: &str, warning: bool, reason: &str, note: &str) {
         let about = ObjectReference {
             api_version: Some("whereabouts.cni.cncf.io/v1alpha1".into()),
