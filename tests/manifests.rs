@@ -48,9 +48,29 @@ fn the_agent_container_is_probed_on_its_admin_port() {
         .map(|a| a.as_str().unwrap())
         .collect();
     assert_eq!(args[0], "agent");
-    let cli = Cli::try_parse_from(std::iter::once("agent").chain(args[1..].iter().copied()))
-        .unwrap_or_else(|e| panic!("the agent's args do not parse: {e}"));
-    let listens = cli.agent.admin_addr.port();
+    // `$(NODE_IP)` is the downward API's status.hostIP, which the kubelet substitutes: the args
+    // parse with a node address of either family, and bind that address, not a wildcard.
+    let node_ip = agent["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "NODE_IP")
+        .expect("NODE_IP in the agent's env");
+    assert_eq!(
+        node_ip["valueFrom"]["fieldRef"]["fieldPath"],
+        "status.hostIP"
+    );
+    let mut listens = 0;
+    for ip in ["192.0.2.10", "2001:db8::10"] {
+        let expanded: Vec<String> = args[1..]
+            .iter()
+            .map(|a| a.replace("$(NODE_IP)", ip))
+            .collect();
+        let cli = Cli::try_parse_from(std::iter::once("agent".to_owned()).chain(expanded))
+            .unwrap_or_else(|e| panic!("the agent's args do not parse: {e}"));
+        assert_eq!(cli.agent.admin_addr.ip().to_string(), ip);
+        listens = cli.agent.admin_addr.port();
+    }
 
     let ports = agent["ports"].as_array().expect("the agent declares ports");
     let port_of = |name: &Value| -> u64 {
