@@ -15,6 +15,8 @@ use crate::crd::IPAllocation;
 
 pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
 
+pub use crate::crd::pod::{MIRROR_ANNOTATION, runtime_uid};
+
 /// One entry of the Multus `network-status` annotation.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct NetworkStatus {
@@ -127,6 +129,19 @@ pub fn is_pod_gone(entry: &IPAllocation, live: &HashMap<String, String>) -> bool
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mirror_pod_answers_for_its_static_pod() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let meta = ObjectMeta {
+            uid: Some("mirror-uid".into()),
+            annotations: Some([(MIRROR_ANNOTATION.to_owned(), "6f1c2a".to_owned())].into()),
+            ..Default::default()
+        };
+        let live = HashMap::from([("kube-system/etcd-n1".to_owned(), runtime_uid(&meta))]);
+        assert!(!is_stale(&entry("kube-system/etcd-n1", "6f1c2a"), &live));
+        assert!(is_stale(&entry("kube-system/etcd-n1", "mirror-uid"), &live));
+    }
 
     fn entry(podref: &str, uid: &str) -> IPAllocation {
         IPAllocation {

@@ -21,7 +21,7 @@ use crate::crd::{IPAllocation, IPPool};
 use crate::ipam::naming::reservation_name;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
-    parse_network_status,
+    parse_network_status, runtime_uid,
 };
 use crate::store::{Datastore, StoreError, TURN_LABEL, TURN_SECONDS, Write};
 
@@ -137,8 +137,7 @@ impl LivePods {
             meta.namespace.as_deref().unwrap_or_default(),
             meta.name.as_deref().unwrap_or_default()
         );
-        self.uids
-            .insert(podref.clone(), meta.uid.clone().unwrap_or_default());
+        self.uids.insert(podref.clone(), runtime_uid(meta));
         let interfaces = interfaces_of(pod);
         if !interfaces.is_empty() {
             self.interfaces.insert(podref, interfaces);
@@ -426,10 +425,7 @@ async fn staleness_now(
     let pod = ctx.pod_now(&entry.podref).await?;
     let mut live = LivePods::default();
     if let Some(pod) = &pod {
-        let uid = pod.meta().uid.clone().unwrap_or_default();
-        live.uids.insert(entry.podref.clone(), uid);
-        live.interfaces
-            .insert(entry.podref.clone(), interfaces_of(pod));
+        live.add(pod);
     }
     Ok(live.staleness(entry, ip))
 }

@@ -19,7 +19,8 @@ use super::pools::{PoolView, entries_of_pod};
 use crate::alloc::remove_entries;
 use crate::crd::IPAllocation;
 use crate::ownership::{
-    NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status, secondary_addresses,
+    MIRROR_ANNOTATION, NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status,
+    secondary_addresses,
 };
 use crate::store::Datastore;
 use crate::store::StoreError;
@@ -37,7 +38,7 @@ pub fn trim(pod: &mut Pod) {
     m.labels = None;
     m.owner_references = None;
     if let Some(a) = m.annotations.as_mut() {
-        a.retain(|k, _| k == NETWORK_STATUS_ANNOTATION);
+        a.retain(|k, _| k == NETWORK_STATUS_ANNOTATION || k == MIRROR_ANNOTATION);
     }
     if let Some(s) = pod.status.take() {
         let conditions = s.conditions.map(|c| {

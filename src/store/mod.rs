@@ -407,9 +407,8 @@ pub struct PodFacts {
 }
 
 impl PodFacts {
-    /// The facts of a pod object.
-    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> PodFacts {
-        let meta = &pod.metadata;
+    /// The facts of a pod's metadata (its UID is [`crate::crd::pod::runtime_uid`]).
+    pub fn of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> PodFacts {
         let statefulset = meta
             .owner_references
             .iter()
@@ -421,7 +420,7 @@ impl PodFacts {
             })
             .map(|o| o.name.clone());
         PodFacts {
-            uid: meta.uid.clone().unwrap_or_default(),
+            uid: crate::crd::pod::runtime_uid(meta),
             networks: meta
                 .annotations
                 .as_ref()

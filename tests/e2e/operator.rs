@@ -511,3 +511,57 @@ fn a_drained_pod_keeps_its_address_until_its_node_is_lost() {
         None,
     );
 }
+
+/// Issue 25: the kubelet passes a static pod's own UID (its config hash) as `K8S_POD_UID`, while
+/// the mirror pod in the API has another UID and carries the hash in `kubernetes.io/config.mirror`.
+/// Neither the audit nor CNI GC takes the running static pod's entry for a gone pod's (the audit
+/// freed it after two audits, GC at once).
+#[test]
+fn a_static_pods_entry_stays_through_audits_and_gc() {
+    let ns = Ns::new("op-static");
+    let node = FakeNode::new(&ns, "True");
+    let hash = "6f1c2a9e8d7b4c3a2f1e0d9c8b7a6f5e";
+    let mirror = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("etcd-{}", node.name), "namespace": ns.name,
+                     "annotations": {"kubernetes.io/config.mirror": hash, "kubernetes.io/config.hash": hash}},
+        "spec": {"nodeName": node.name, "automountServiceAccountToken": false,
+                 "containers": [{"name": "c", "image": "registry.invalid/pause"}]}});
+    let mirror_uid = ns.kubectl_ok_stdin(
+        &["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"],
+        &mirror.to_string(),
+    );
+    assert_ne!(mirror_uid, hash);
+    let name = format!("etcd-{}", node.name);
+    let conf = ns.netconf("1.1.0", json!({"range": "10.74.0.0/24"}));
+    let addrs = ns
+        .cni("ADD", &conf, "c-static", "net1", &name, hash)
+        .addresses();
+    assert_eq!(addrs, ["10.74.0.1/24"]);
+    // CNI GC with no valid attachment on this runtime's list: the static pod lives, so it stays.
+    let mut gc = conf.clone();
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let r = ns.cni("GC", &gc, "", "", "", "");
+    assert!(r.ok, "{r:?}");
+    assert_eq!(
+        ns.allocations("10.74.0.0-24").len(),
+        1,
+        "GC freed a static pod's entry"
+    );
+    // Audits every second with a 2 s grace: several pass, the entry stays.
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        ns.allocations("10.74.0.0-24").len(),
+        1,
+        "the audit freed a running static pod's entry\n{}",
+        op.log()
+    );
+    // The static pod gone (its mirror with it): the audit frees the entry.
+    ns.kubectl_ok(&["delete", "pod", &name, "--force", "--grace-period=0"]);
+    assert!(
+        eventually(20, || ns.allocations("10.74.0.0-24").is_empty()),
+        "{}",
+        op.log()
+    );
+}

@@ -397,14 +397,13 @@ impl Datastore for KubeStore {
             .items
             .into_iter()
             .map(|p| {
-                (
-                    format!(
-                        "{}/{}",
-                        p.metadata.namespace.unwrap_or_default(),
-                        p.metadata.name.unwrap_or_default()
-                    ),
-                    p.metadata.uid.unwrap_or_default(),
-                )
+                let m = &p.metadata;
+                let podref = format!(
+                    "{}/{}",
+                    m.namespace.as_deref().unwrap_or_default(),
+                    m.name.as_deref().unwrap_or_default()
+                );
+                (podref, crate::crd::pod::runtime_uid(m))
             })
             .collect())
     }
@@ -455,11 +454,13 @@ impl Datastore for KubeStore {
     }
 
     async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<PodFacts>> {
+        // Metadata only: owner, annotations and UID are all an ADD needs, and a full pod object
+        // carries its containers' environment.
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let found = retrying(|| pods.get_opt(name))
+        let found = retrying(|| pods.get_metadata_opt(name))
             .await
             .map_err(|e| error("get", format!("pod {namespace}/{name}"), e))?;
-        Ok(found.as_ref().map(PodFacts::of))
+        Ok(found.as_ref().map(|p| PodFacts::of(&p.metadata)))
     }
 
     async fn get_ipam_claim(&self, namespace: &str, name: &str) -> Result<Option<IPAMClaim>> {
