@@ -116,6 +116,12 @@ pub struct RunArgs {
     /// How long an allocation must look stale before the pool audit frees it.
     #[arg(long, env = "WHEREABOUTS_STALE_GRACE", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
     pub stale_grace: Duration,
+    /// How long the kubelet of a Ready node may take to DEL a deleted pod's sandboxes before the
+    /// operator frees its addresses; a force-deleted pod's containers may still run meanwhile.
+    /// Longer than the node lifecycle controller's grace (40-50 s), so that a dead kubelet's node
+    /// turns NotReady first, and those pods wait until it is Ready again or deleted.
+    #[arg(long, env = "WHEREABOUTS_DELETED_POD_GRACE", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    pub deleted_pod_grace: Duration,
     /// Elect a leader among operator replicas before running controllers (true or false).
     #[arg(long, env = "WHEREABOUTS_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub leader_election: bool,
@@ -331,6 +337,7 @@ impl Components {
             pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
             audit_interval: args.audit_interval,
             stale_grace: args.stale_grace,
+            deleted_pod_grace: args.deleted_pod_grace,
             dry_run: args.dry_run,
             leader_election: args.leader_election,
             identity: identity(),

@@ -125,6 +125,8 @@ fn live_pods(ctx: &Context) -> LivePods {
     for p in ctx.caches.pods.state().iter() {
         live.add(p.as_ref());
     }
+    // Deleted pods whose node's kubelet may still run them: live until their release is due.
+    live.uids.extend(ctx.waiting.pods());
     live
 }
 

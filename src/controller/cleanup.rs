@@ -74,9 +74,22 @@ pub enum NodeHealth {
     Gone,
 }
 
+/// The node `pod` is bound to, if any.
+pub fn node_of(pod: &Pod) -> Option<String> {
+    pod.spec
+        .as_ref()?
+        .node_name
+        .clone()
+        .filter(|n| !n.is_empty())
+}
+
 /// The health of `pod`'s node, from `nodes` (trimmed by the watch to their Ready condition).
 pub fn node_health(pod: &Pod, nodes: &Store<Node>) -> NodeHealth {
-    let name = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    health_of(node_of(pod).as_deref(), nodes)
+}
+
+/// The health of the node named `name` (none: a pod never scheduled), from `nodes`.
+pub fn health_of(name: Option<&str>, nodes: &Store<Node>) -> NodeHealth {
     let Some(node) = name.and_then(|n| nodes.get(&ObjectRef::new(n))) else {
         return NodeHealth::Gone;
     };

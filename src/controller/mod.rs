@@ -8,6 +8,7 @@
 
 pub mod audit;
 pub mod cleanup;
+pub mod deferral;
 pub mod findings;
 pub mod holders;
 mod loops;
@@ -44,6 +45,9 @@ pub struct Options {
     pub pool_namespace: String,
     pub audit_interval: Duration,
     pub stale_grace: Duration,
+    /// How long the kubelet of a Ready node may take to DEL a deleted pod's sandboxes before the
+    /// operator frees its addresses (see [`deferral`]).
+    pub deleted_pod_grace: Duration,
     pub dry_run: bool,
     pub leader_election: bool,
     /// This replica's identity in the Lease (the pod name in a cluster).
@@ -104,6 +108,8 @@ pub struct Context {
     pub opts: Options,
     /// The operator's metrics, shared with the webhook and rendered on the admin port.
     pub metrics: Arc<Metrics>,
+    /// Deleted pods whose release waits for their node's kubelet (see [`deferral`]).
+    pub waiting: deferral::Waiting,
     recorder: Recorder,
     leader: watch::Receiver<bool>,
 }
@@ -128,6 +134,7 @@ impl Context {
             caches,
             opts,
             metrics,
+            waiting: Default::default(),
             leader,
         }
     }
@@ -237,6 +244,10 @@ struct Job {
     pod: PodIdentity,
     trigger: Trigger,
     attempt: u32,
+    /// The node the pod was bound to, if any (a deleted pod's release may wait for it).
+    node: Option<String>,
+    /// Since when its release has been waiting for the node's kubelet.
+    since: std::time::Instant,
 }
 
 /// Runs the controllers until `shutdown` resolves. The NAD cache is shared with the webhook (one
@@ -391,6 +402,15 @@ async fn cleanup_worker(
             }
         }
         if !ctx.is_leader() {
+            // The new leader's audit decides; nothing here waits any more.
+            for job in &batch {
+                ctx.waiting
+                    .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No);
+            }
+            continue;
+        }
+        let batch = not_waiting(&ctx, batch, &tx);
+        if batch.is_empty() {
             continue;
         }
         let started = std::time::Instant::now();
@@ -401,6 +421,39 @@ async fn cleanup_worker(
             finish(&ctx, job, result, &tx, started.elapsed()).await;
         }
     }
+}
+
+/// The jobs to release now; the others (deleted pods whose node's kubelet may still DEL them) are
+/// put back on the queue for when they are due, and counted as waiting.
+fn not_waiting(ctx: &Context, batch: Vec<Job>, tx: &mpsc::UnboundedSender<Job>) -> Vec<Job> {
+    let now = std::time::Instant::now();
+    let mut due = Vec::with_capacity(batch.len());
+    for mut job in batch {
+        let wait = match (&job.trigger, job.node.as_deref()) {
+            (Trigger::Deleted, Some(node)) => {
+                let health = cleanup::health_of(Some(node), &ctx.caches.nodes);
+                if health == cleanup::NodeHealth::NotReady {
+                    // The grace counts from when the node is Ready again.
+                    job.since = now;
+                }
+                deferral::wait(health, job.since, ctx.opts.deleted_pod_grace, now)
+            }
+            _ => deferral::Wait::No,
+        };
+        ctx.waiting.set(&job.pod.podref, &job.pod.uid, wait);
+        if wait == deferral::Wait::No {
+            due.push(job);
+            continue;
+        }
+        tracing::debug!(pod = %job.pod.podref, reason = wait.reason(), "release waits for the node's kubelet");
+        let (tx, at) = (tx.clone(), wait.recheck_at(now));
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            let _ = tx.send(job);
+        });
+    }
+    ctx.metrics.set_waiting(&ctx.waiting.counts());
+    due
 }
 
 /// Logs, counts and (if needed) requeues one pod's release.

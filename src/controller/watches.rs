@@ -163,6 +163,8 @@ fn due_job(
         pod: cleanup::identity(p),
         trigger,
         attempt: 0,
+        node: cleanup::node_of(p),
+        since: std::time::Instant::now(),
     })
 }
 

@@ -26,6 +26,7 @@ pub struct Metrics {
     pub reconcile_duration: HistogramVec,
     pub stale: IntGaugeVec,
     pub orphans: IntGauge,
+    pub releases_waiting: IntGaugeVec,
     pub node_slices: IntGaugeVec,
     pub nodes_without_slice: IntGaugeVec,
     pub leader: IntGauge,
@@ -95,6 +96,7 @@ impl Metrics {
             stale: register(&r, IntGaugeVec::new(Opts::new("whereabouts_stale_reservations", "Pool entries whose pod no longer exists, as last audited."), &["pool"]).unwrap()),
             node_slices: register(&r, IntGaugeVec::new(Opts::new("whereabouts_node_slices", "Node slices of each sliced range, by NodeSlicePool and state (assigned, free); their sum is the slice count."), &["nodeslicepool", "state"]).unwrap()),
             nodes_without_slice: register(&r, IntGaugeVec::new(Opts::new("whereabouts_nodes_without_slice", "Nodes the operator could not give a slice of this NodeSlicePool (every slice is taken): their pods on this network fail."), &["nodeslicepool"]).unwrap()),
+            releases_waiting: register(&r, IntGaugeVec::new(Opts::new("whereabouts_releases_waiting", "Deleted pods whose addresses wait for their node's kubelet to DEL them, by reason (kubelet_grace: a Ready node, within --deleted-pod-grace; node_not_ready: until the node is Ready again or deleted)."), &["reason"]).unwrap()),
             orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
             leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
             build_info: build_info(&r),
@@ -124,6 +126,15 @@ impl Metrics {
         self.reconcile_duration
             .with_label_values(&[controller])
             .observe(took.as_secs_f64());
+    }
+
+    /// The waiting releases, by reason.
+    pub fn set_waiting(&self, counts: &[(&str, usize)]) {
+        for (reason, n) in counts {
+            self.releases_waiting
+                .with_label_values(&[reason])
+                .set(*n as i64);
+        }
     }
 
     pub fn set_leader(&self, leading: bool) {

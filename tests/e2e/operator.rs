@@ -565,3 +565,87 @@ fn a_static_pods_entry_stays_through_audits_and_gc() {
         op.log()
     );
 }
+
+/// A pod bound to `node` that got an address from our plugin; returns its UID.
+fn bound_pod(ns: &Ns, name: &str, node: &FakeNode, conf: &serde_json::Value) -> String {
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns.name},
+        "spec": {"nodeName": node.name, "automountServiceAccountToken": false,
+                 "containers": [{"name": "c", "image": "registry.invalid/pause"}]}});
+    let uid = ns.kubectl_ok_stdin(
+        &["create", "-f", "-", "-o", "jsonpath={.metadata.uid}"],
+        &pod.to_string(),
+    );
+    ns.cni("ADD", conf, &format!("c-{name}"), "net1", name, &uid)
+        .addresses();
+    uid
+}
+
+/// Issue 25: a force delete removes the pod object while its node's kubelet is still stopping
+/// the containers. The address is left to the kubelet's DEL for `--deleted-pod-grace` on a Ready
+/// node, and held while the node is NotReady (a partition: the container may run on), through
+/// audits; freed once the grace passes, or the node is deleted. They were freed at once.
+#[test]
+fn a_force_deleted_pods_address_waits_for_its_nodes_kubelet() {
+    let ns = Ns::new("op-forcewait");
+    let ready = FakeNode::new(&ns, "True");
+    let lost = FakeNode {
+        name: format!("lost-{}", ns.name),
+    };
+    let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": lost.name}});
+    ns.kubectl_ok_stdin(&["create", "-f", "-"], &node.to_string());
+    lost.set_ready(&ns, "Unknown");
+    let mut flags = flags(&ns, false);
+    flags.push("--deleted-pod-grace=4s".into());
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags);
+    op.wait_ready();
+    let conf = ns.netconf("1.0.0", json!({"range": "10.75.0.0/24"}));
+    bound_pod(&ns, "on-ready", &ready, &conf);
+    bound_pod(&ns, "on-lost", &lost, &conf);
+    assert_eq!(ns.allocations("10.75.0.0-24").len(), 2);
+    let deleted = Instant::now();
+    for pod in ["on-ready", "on-lost"] {
+        ns.kubectl_ok(&["delete", "pod", pod, "--force", "--grace-period=0"]);
+    }
+    let podrefs = || -> Vec<String> {
+        let mut p: Vec<String> = ns
+            .allocations("10.75.0.0-24")
+            .values()
+            .map(|e| e["podref"].as_str().unwrap().to_owned())
+            .collect();
+        p.sort();
+        p
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        podrefs().len(),
+        2,
+        "freed within the kubelet's grace\n{}",
+        op.log()
+    );
+    let waiting = |reason: &str, n: u32| {
+        op.get("/metrics").is_some_and(|m| {
+            m.contains(&format!(
+                "whereabouts_releases_waiting{{reason=\"{reason}\"}} {n}"
+            ))
+        })
+    };
+    assert!(
+        waiting("kubelet_grace", 1) && waiting("node_not_ready", 1),
+        "{:?}",
+        op.get("/metrics")
+    );
+    // The Ready node's pod: freed once the grace has passed, its DEL not having come.
+    assert!(
+        eventually(15, || podrefs() == [format!("{}/on-lost", ns.name)]),
+        "{:?}\n{}",
+        podrefs(),
+        op.log()
+    );
+    assert!(deleted.elapsed() >= Duration::from_secs(4));
+    // The NotReady node's pod: held through audits (every second, 2 s grace), past the grace.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(podrefs(), [format!("{}/on-lost", ns.name)], "{}", op.log());
+    // The node deleted: nothing of the pod runs anywhere, its address is freed.
+    drop(lost);
+    assert!(eventually(30, || podrefs().is_empty()), "{}", op.log());
+}

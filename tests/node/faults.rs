@@ -48,7 +48,7 @@ fn bare_pod(w: &Workload, name: &str) -> String {
 }
 
 #[test]
-fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless() {
+fn a_dead_kubelets_force_deleted_pods_keep_their_addresses_until_its_dels() {
     let node = node();
     let w = Workload::new("nodefail");
     w.deployment("keep", 3);
@@ -85,24 +85,23 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         "--force",
         "--grace-period=0",
     ]);
-    // The operator frees their addresses with no DEL from the runtime.
-    wait_until(
-        90,
-        "the operator frees the force-deleted pods' entries",
-        || {
-            let left: Vec<_> = entries_of(POD_POOL, &w.ns)
-                .into_iter()
-                .chain(entries_of(NET2_POOL, &w.ns))
-                .filter(|e| e.0.contains("/doomed-"))
-                .collect();
-            if left.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{left:?}"))
-            }
-        },
+    // Their containers still run: the operator leaves their addresses to the kubelet's DEL (for
+    // --deleted-pod-grace on a Ready node, and for as long as the node is NotReady), so no
+    // pending pod can take an address a running container uses. They were freed at once.
+    std::thread::sleep(Duration::from_secs(8));
+    let doomed_entries = || -> Vec<(String, String, String)> {
+        entries_of(POD_POOL, &w.ns)
+            .into_iter()
+            .chain(entries_of(NET2_POOL, &w.ns))
+            .filter(|e| e.0.contains("/doomed-"))
+            .collect()
+    };
+    assert_eq!(
+        doomed_entries().len(),
+        8,
+        "a force-deleted pod's address was freed while its container ran"
     );
-    // New pods, created while the kubelet is down, will take the freed addresses (lowest first).
+    // New pods, created while the kubelet is down, wait for it.
     for i in 0..4 {
         w.apply(&bare_pod(&w, &format!("fresh-{i}")));
     }
@@ -112,8 +111,8 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         stopped.elapsed()
     );
     node.script("start", "kubelet");
-    // The kubelet kills the dead pods' sandboxes (CNI DEL with their container ids) and starts the
-    // fresh pods (CNI ADD), in whatever order.
+    // The kubelet kills the dead pods' sandboxes (CNI DEL with their container ids, which frees
+    // their entries) and starts the fresh pods (CNI ADD), in whatever order.
     let fresh = w.wait_running("app=bare", 4, 180);
     let fresh_ips = distinct_pod_ips(&fresh);
     let keep_now = ips(&w.wait_running("app=keep", 3, 60));
@@ -122,6 +121,14 @@ fn a_dead_kubelets_force_deleted_pods_are_freed_and_its_late_dels_are_harmless()
         fresh_ips.is_disjoint(&keep.values().cloned().collect()),
         "a fresh pod got a live pod's address"
     );
+    wait_until(90, "the dead pods' entries freed", || {
+        let left = doomed_entries();
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    });
     // Stopped, in the runtime's view (the kubelet's garbage collection removes them later).
     wait_until(90, "the dead sandboxes stopped by the kubelet", || {
         let left: Vec<_> = ready_sandboxes(node)
