@@ -1075,3 +1075,50 @@ async fn a_batched_add_that_would_outgrow_the_pool_object_is_refused_for_good() 
     let pool = store.get_pool("10.128.0.0-16").await.unwrap().unwrap();
     assert_eq!(pool.allocations.len() as u128, entries);
 }
+
+/// Issue 25: a sandbox re-created while the old one's DEL is still due. The new container has
+/// taken over the pod interface's reservation (and is about to record its entry); the old
+/// container's DEL removes its own entry but must leave the new container's claim, or the new
+/// entry would have no reservation and an overlapping pool could hand the address out again. It
+/// was deleted: the release matched the reservation by pod alone.
+#[tokio::test]
+async fn an_old_containers_del_leaves_the_claim_its_successor_took_over() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let old = IPAllocation {
+        id: "c-old".into(),
+        podref: "ns/p".into(),
+        ifname: "net1".into(),
+        ..Default::default()
+    };
+    store.put_entry("10.0.0.0-24", "10.0.0.0/24", 1, old);
+    let taken_over = whereabouts::crd::OverlappingRangeIPReservationSpec {
+        containerid: "c-new".into(),
+        podref: "ns/p".into(),
+        ifname: "net1".into(),
+        ..Default::default()
+    };
+    store
+        .create_reservation(
+            "10.0.0.1",
+            &taken_over,
+            "10.0.0.0-24",
+            "10.0.0.1".parse().unwrap(),
+        )
+        .await
+        .unwrap();
+    run(&store, Command::Del, &ipam, "c-old", "p")
+        .await
+        .unwrap();
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert!(
+        pool.allocations.is_empty(),
+        "the old container's entry is released"
+    );
+    let kept = store.get_reservation("10.0.0.1").await.unwrap();
+    assert_eq!(
+        kept.map(|r| r.spec.containerid),
+        Some("c-new".to_owned()),
+        "the successor's claim was deleted"
+    );
+}

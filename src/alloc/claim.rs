@@ -105,8 +105,10 @@ impl<S: Datastore> Engine<'_, S> {
             .map(|_| ())
     }
 
-    /// The reservation `name` when it names the pod of `entry`: the one a release of that entry
-    /// may delete (never another pod's claim on the same address, e.g. of an overlapping range).
+    /// The reservation `name` when it is `entry`'s claim (see
+    /// [`crate::crd::OverlappingRangeIPReservationSpec::is_claim_of`]): the one a release of that entry may
+    /// delete, never another pod's claim on the same address (of an overlapping range), nor one a
+    /// new container of the pod has taken over.
     pub async fn reservation_of(
         &self,
         name: &str,
@@ -116,7 +118,7 @@ impl<S: Datastore> Engine<'_, S> {
             .store
             .get_reservation(name)
             .await?
-            .filter(|r| r.spec.podref == entry.podref))
+            .filter(|r| r.spec.is_claim_of(entry)))
     }
 
     /// This pool's claims that the pool does not hold yet (other than `own`).
