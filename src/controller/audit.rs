@@ -184,7 +184,9 @@ pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
 
 pub struct Auditor {
     entries: Suspects<EntryKey>,
-    orphans: Suspects<(String, String)>,
+    /// Reservations by (name, uid, resourceVersion): one that changes is observed afresh, and
+    /// the delete is conditional on the version seen.
+    orphans: Suspects<(String, String, String)>,
     /// Writer-turn Leases by (name, uid, resourceVersion): one seen unchanged on two audits at
     /// least the grace period apart was abandoned by a killed plugin.
     turns: Suspects<(String, String, String)>,
@@ -224,19 +226,31 @@ impl Auditor {
             self.entries.forget(&key);
         }
         let expected = expected_reservations(&pools);
-        let reservations: Vec<(String, String)> = ctx
+        let reservations: Vec<(String, String, String)> = ctx
             .caches
             .reservations
             .state()
             .iter()
-            .map(|r| (r.name_any(), r.uid().unwrap_or_default()))
+            .map(|r| {
+                let rv = r.resource_version().unwrap_or_default();
+                (r.name_any(), r.uid().unwrap_or_default(), rv)
+            })
             .collect();
+        // A pool that cannot be read (its name or range does not parse) implies reservations
+        // nobody can name: none is taken for an orphan while one is cached.
+        let unreadable = ctx.caches.pools.state().len() - pools.len();
+        if unreadable > 0 {
+            tracing::warn!(
+                unreadable,
+                "pools that cannot be read: no reservation is swept as an orphan until they are fixed or removed"
+            );
+        }
         let orphan_claims: Vec<_> = reservations
             .iter()
-            .filter(|(n, _)| !expected.contains(n))
+            .filter(|(n, _, _)| unreadable == 0 && !expected.contains(n))
             .cloned()
             .collect();
-        let names: HashSet<&String> = reservations.iter().map(|(n, _)| n).collect();
+        let names: HashSet<&String> = reservations.iter().map(|(n, _, _)| n).collect();
         let unclaimed = expected.iter().filter(|n| !names.contains(n)).count();
         report.orphans = orphan_claims.len() + unclaimed;
         if unclaimed > 0 {
@@ -369,7 +383,7 @@ impl Auditor {
     async fn release_orphans(
         &mut self,
         ctx: &Context,
-        due: Vec<(String, String)>,
+        due: Vec<(String, String, String)>,
     ) -> Result<usize, StoreError> {
         let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
         let pools = api
@@ -382,16 +396,19 @@ impl Auditor {
                 message: e.to_string(),
             })?;
         let slices = ctx.slice_index();
-        let expected = expected_reservations(
-            &pools
-                .items
-                .iter()
-                .filter_map(|p| PoolView::from_pool_in(p, &slices))
-                .collect::<Vec<_>>(),
-        );
+        let views: Vec<_> = pools
+            .items
+            .iter()
+            .filter_map(|p| PoolView::from_pool_in(p, &slices))
+            .collect();
+        if views.len() < pools.items.len() {
+            return Ok(0);
+        }
+        let expected = expected_reservations(&views);
         let mut released = 0;
-        for (name, uid) in due {
-            self.orphans.forget(&(name.clone(), uid.clone()));
+        for (name, uid, rv) in due {
+            self.orphans
+                .forget(&(name.clone(), uid.clone(), rv.clone()));
             if expected.contains(&name) {
                 continue;
             }
@@ -399,7 +416,8 @@ impl Auditor {
                 tracing::info!(reservation = %name, "dry run: would delete an orphan reservation");
                 continue;
             }
-            if ctx.store.delete_reservation(&name, &uid, None).await? == Write::Done {
+            // At the version seen twice: one re-made or taken over since is not this orphan.
+            if ctx.store.delete_reservation(&name, &uid, Some(&rv)).await? == Write::Done {
                 tracing::info!(reservation = %name, "deleted an orphan reservation");
                 released += 1;
             }

@@ -649,3 +649,45 @@ fn a_force_deleted_pods_address_waits_for_its_nodes_kubelet() {
     drop(lost);
     assert!(eventually(30, || podrefs().is_empty()), "{}", op.log());
 }
+
+/// Issue 25: a pool the operator cannot read (its range does not parse) implies reservations it
+/// cannot name, so while one is cached no reservation is swept as an orphan; once it is gone the
+/// true orphan is (the sweep deleted reservations of such pools).
+#[test]
+fn no_orphan_is_swept_while_a_pool_cannot_be_read() {
+    let ns = Ns::new("op-unreadable");
+    let apply = |v: serde_json::Value| {
+        ns.kubectl_ok_stdin(&["apply", "-f", "-"], &v.to_string());
+    };
+    apply(
+        json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool",
+        "metadata": {"name": "broken-pool", "namespace": ns.name},
+        "spec": {"range": "not-a-cidr", "allocations": {"5": {"id": "c-x", "podref": format!("{}/x", ns.name)}}}}),
+    );
+    apply(
+        json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+        "metadata": {"name": "10.76.0.5", "namespace": ns.name},
+        "spec": {"podref": format!("{}/x", ns.name), "containerid": "c-x", "ifname": "net1"}}),
+    );
+    let mut op = OperatorProcess::start(ns.dir.path(), "op", &flags(&ns, false));
+    op.wait_ready();
+    // Audits every second with a 2 s grace: several pass.
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(
+        ns.reservations().len(),
+        1,
+        "swept beside an unreadable pool\n{}",
+        op.log()
+    );
+    assert!(
+        op.log().contains("pools that cannot be read"),
+        "{}",
+        op.log()
+    );
+    ns.kubectl_ok(&["delete", "ippool", "broken-pool"]);
+    assert!(
+        eventually(20, || ns.reservations().is_empty()),
+        "the orphan stayed\n{}",
+        op.log()
+    );
+}
