@@ -713,3 +713,55 @@ async fn a_bad_ips_value_does_not_stop_del() {
             .is_empty()
     );
 }
+
+/// Issue 25: an IPAMClaim deleted while its pod object still exists. The entry stays while the
+/// pod runs (the operator keeps it: a pod of the claim exists); the DEL of that pod's sandbox,
+/// the last to hold it, frees it. It stayed for good ("held"). A DEL with the claim still there
+/// keeps it, as before.
+#[tokio::test]
+async fn the_last_del_after_its_claim_is_deleted_frees_the_address() {
+    let store = MemoryStore::new();
+    let ipam = persistent();
+    let on = json!({"allowPersistentIPs": true});
+    store.put_ipam_claim(claim("vm1.net"));
+    vm_pod(&store, "launcher-a", "vm1.net");
+    add_with(&store, &ipam, on.clone(), "launcher-a", "c-launcher-a")
+        .await
+        .unwrap();
+    let del_on = |pod: &'static str, c: &'static str| {
+        let req = request(Command::Del, &ipam, on.clone(), pod, c).unwrap();
+        let store = &store;
+        async move { whereabouts::cni::handle(store, &req).await.unwrap() }
+    };
+    let entries = |pool: &'static str| {
+        let store = &store;
+        async move {
+            store
+                .get_pool(pool)
+                .await
+                .unwrap()
+                .unwrap()
+                .allocations
+                .len()
+        }
+    };
+    del_on("launcher-a", "c-launcher-a").await;
+    assert_eq!(
+        entries("10.0.2.0-29").await,
+        1,
+        "a live claim keeps its address"
+    );
+    vm_pod(&store, "launcher-b", "vm1.net");
+    add_with(&store, &ipam, on.clone(), "launcher-b", "c-launcher-b")
+        .await
+        .unwrap();
+    store.delete_ipam_claim("ns/vm1.net");
+    del_on("launcher-b", "c-launcher-b").await;
+    assert_eq!(entries("10.0.2.0-29").await, 0);
+    assert_eq!(entries("fd00-2---125").await, 0);
+    assert!(
+        store.reservation_names().is_empty(),
+        "{:?}",
+        store.reservation_names()
+    );
+}

@@ -318,6 +318,15 @@ async fn del<S: Datastore, A: Allocate<S>>(
                 Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
                 Err(e) => failures.push(format!("{}: {e}", target.pool)),
             }
+            if req.keep.persistent_ips {
+                match keep::release_unclaimed(store, target, &req.attachment).await {
+                    Ok(ips) if !ips.is_empty() => {
+                        tracing::info!(pool = %target.pool, released = ?ips, "released: their IPAMClaim is gone");
+                    }
+                    Ok(_) => {}
+                    Err(e) => failures.push(format!("{}: {e}", target.pool)),
+                }
+            }
         }
     }
     if failures.is_empty() {

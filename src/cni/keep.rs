@@ -12,8 +12,8 @@ use serde::Deserialize;
 use super::Request;
 use super::protocol::{CniError, Code};
 use super::requested::{self, Requested};
-use crate::alloc::{Attachment, Holder};
-use crate::crd::{ClaimCondition, IPAMClaim, IPAMClaimStatus, OwnerPod};
+use crate::alloc::{Attachment, Engine, Holder, Target};
+use crate::crd::{ClaimCondition, IPAMClaim, IPAMClaimStatus, IPAllocation, OwnerPod};
 use crate::store::{Datastore, NETWORKS_ANNOTATION, StoreError, Write};
 
 /// The attachment with its holder, and the claim behind it, if any.
@@ -240,6 +240,39 @@ pub async fn report_failure<S: Datastore>(store: &S, claim: &IPAMClaim, error: &
     if let Err(e) = store.write_ipam_claim_status(claim, &status).await {
         tracing::warn!(claim = %key(claim), error = %e, "could not report the failure on the IPAMClaim");
     }
+}
+
+/// A DEL's part for addresses whose IPAMClaim is gone: the entries this attachment's container
+/// holds in `target`'s pool for a claim that no longer exists are released like its own. Deleting
+/// a claim frees its addresses once no pod holds them, and the pod whose sandbox this DEL removes
+/// was the last to hold them here (the operator keeps the entry while a pod of the claim exists).
+pub async fn release_unclaimed<S: Datastore>(
+    store: &S,
+    target: &Target,
+    who: &Attachment,
+) -> Result<Vec<IpAddr>, StoreError> {
+    let Some(pool) = store.get_pool(&target.pool).await? else {
+        return Ok(Vec::new());
+    };
+    let held: Vec<(u128, IPAllocation)> = pool
+        .allocations
+        .iter()
+        .filter(|(_, e)| {
+            e.id == who.container_id && e.ifname == who.ifname && !e.ipamclaimref.is_empty()
+        })
+        .map(|(o, e)| (*o, e.clone()))
+        .collect();
+    let mut gone = Vec::new();
+    for (offset, entry) in held {
+        let (ns, name) = entry.ipamclaimref.split_once('/').unwrap_or_default();
+        if store.get_ipam_claim(ns, name).await?.is_none() {
+            gone.push((offset, entry));
+        }
+    }
+    if gone.is_empty() {
+        return Ok(Vec::new());
+    }
+    Engine::new(store, target).release_entries(&gone).await
 }
 
 fn condition(status: &str, reason: &str, message: &str) -> ClaimCondition {

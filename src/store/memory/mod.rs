@@ -115,6 +115,11 @@ impl MemoryStore {
         self.state.lock().unwrap().ipam_claims.insert(key, claim);
     }
 
+    /// Deletes the IPAMClaim `<namespace>/<name>`.
+    pub fn delete_ipam_claim(&self, key: &str) {
+        self.state.lock().unwrap().ipam_claims.remove(key);
+    }
+
     /// The IPAMClaim `<namespace>/<name>`, as stored.
     pub fn ipam_claim(&self, key: &str) -> Option<crate::crd::IPAMClaim> {
         self.state.lock().unwrap().ipam_claims.get(key).cloned()
