@@ -106,13 +106,21 @@ impl Invocation {
         let runtime_ipam = conf.as_ref().ok().and_then(NetConf::runtime_ipam);
         let dirs = TrustedDirs::from_env(env);
         // Judged before anything is opened: the network config is its author's, not the node's.
-        let (node_keys, kubeconfig_check) = match &runtime_ipam {
+        let (mut node_keys, kubeconfig_check) = match &runtime_ipam {
             Some((prefix, Value::Object(ipam))) => node_keys(ipam, prefix, &dirs),
             _ => Default::default(),
         };
-        let flat_file = find_flat_file(flat, runtime_ipam.as_ref(), &dirs);
-        let ipam =
-            runtime_ipam.map(|(path, ipam)| (path, merge(ipam, flat_file.as_ref().ok(), &dirs)));
+        let (flat_file, refused) = find_flat_file(flat, runtime_ipam.as_ref(), &dirs);
+        let ipam = runtime_ipam.map(|(path, ipam)| {
+            let mut merged = merge(ipam, flat_file.as_ref().ok(), &dirs);
+            if refused.is_some()
+                && let Some(m) = merged.as_object_mut()
+            {
+                m.remove("configuration_path");
+            }
+            (path, merged)
+        });
+        node_keys.errors.extend(refused);
         let var = |k: &str| env(k).unwrap_or_default();
         Invocation {
             container_id: var("CNI_CONTAINERID"),
@@ -285,31 +293,35 @@ fn node_keys(
 /// it and the file passes [`trust::check_file`] (one that does not exist is passed over, as any
 /// missing candidate is), then the node's directory from the environment, then the well-known
 /// paths.
+/// A `configuration_path` the node's directories hold but whose file fails the checks on disk
+/// is not followed: the problem is returned beside the flat file found without it (an ADD
+/// refuses it; a DEL goes on with the node's own).
 fn find_flat_file(
     source: FlatSource,
     runtime_ipam: Option<&(String, &Value)>,
     dirs: &TrustedDirs,
-) -> Result<Option<flat::FlatFile>, CniError> {
+) -> (Result<Option<flat::FlatFile>, CniError>, Option<Problem>) {
     let mut paths = match source {
-        FlatSource::Found(found) => return Ok(found),
-        FlatSource::Paths(paths) => return load_flat(&paths),
+        FlatSource::Found(found) => return (Ok(found), None),
+        FlatSource::Paths(paths) => return (load_flat(&paths), None),
         FlatSource::Lookup => flat::candidates(dirs.node_dir()),
     };
     let named = runtime_ipam.and_then(|(prefix, ipam)| {
         let path = ipam.get("configuration_path")?.as_str()?;
         Some((prefix, path, dirs.holding(path)?))
     });
+    let mut refused = None;
     if let Some((prefix, path, dir)) = named {
         match trust::check_file(Path::new(path), dir) {
             Ok(real) => paths.insert(0, real),
             Err(Untrusted::Missing) => {}
             Err(Untrusted::Refused(why)) => {
-                let p = Problem::with_value(format!("{prefix}.configuration_path"), path, why);
-                return Err(invalid_config(&p));
+                let key = format!("{prefix}.configuration_path");
+                refused = Some(Problem::with_value(key, path, why));
             }
         }
     }
-    load_flat(&paths)
+    (load_flat(&paths), refused)
 }
 
 fn load_flat(paths: &[PathBuf]) -> Result<Option<flat::FlatFile>, CniError> {

@@ -229,6 +229,13 @@ fn the_nodes_own_files_keep_working_and_nothing_else_is_borrowed() {
     assert!(r.ok, "{} {}", r.stdout, r.stderr);
     assert!(!s.pwned().exists());
     assert_eq!(s.entries(), 1);
+    // The same for a flat file that is in the node's directory only by a symlink out of it.
+    let link = s.node.path().join("link.conf");
+    std::os::unix::fs::symlink(s.attacker.path().join("evil.conf"), &link).unwrap();
+    let r = s.cni("DEL", &s.conf(json!({"configuration_path": link})), "p2");
+    assert!(r.ok, "{} {}", r.stdout, r.stderr);
+    assert!(!s.pwned().exists());
+    assert_eq!(s.entries(), 0);
     // The node's own flat file with an exec kubeconfig: refused too.
     let root_exec = s.evil_kubeconfig(&s.node.path().join("exec.kubeconfig"));
     write_flat(s.node.path(), &root_exec);
