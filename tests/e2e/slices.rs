@@ -469,8 +469,22 @@ fn upstreams_plugin_and_ours_share_an_upstream_written_node_slice_pool() {
         })
         .collect();
     let mut seen = BTreeSet::from(["10.93.0.65".to_owned(), "10.93.0.66".to_owned()]);
-    for c in children {
-        let r = Cni::from(c.wait_with_output().unwrap());
+    for (i, c) in children.into_iter().enumerate() {
+        let mut r = Cni::from(c.wait_with_output().unwrap());
+        // Upstream's ADD that picked an address ours had just claimed fails on the reservation
+        // ("already exists": no duplicate), and the runtime retries it, as here once.
+        if !r.ok
+            && r.stdout["msg"]
+                .as_str()
+                .is_some_and(|m| m.contains("already exists"))
+        {
+            let pod = format!("mix{i}");
+            r = Cni::from(
+                n1.spawn(&up, &ns, "ADD", &ipam, &pod)
+                    .wait_with_output()
+                    .unwrap(),
+            );
+        }
         let a = r.addresses()[0].clone();
         assert!(inside(&a, "10.93.0.64/26"), "{a}");
         assert!(
