@@ -207,7 +207,7 @@ impl Auditor {
     }
 
     pub async fn run_once(&mut self, ctx: &Context) -> Result<Report, StoreError> {
-        let pools = ctx.pool_views();
+        let (pools, unreadable) = ctx.readable_pools();
         let live = live_pods(ctx);
         let stale = stale_entries(&pools, &live);
         let now = Instant::now();
@@ -238,7 +238,6 @@ impl Auditor {
             .collect();
         // A pool that cannot be read (its name or range does not parse) implies reservations
         // nobody can name: none is taken for an orphan while one is cached.
-        let unreadable = ctx.caches.pools.state().len() - pools.len();
         if unreadable > 0 {
             tracing::warn!(
                 unreadable,

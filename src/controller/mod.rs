@@ -141,13 +141,20 @@ impl Context {
 
     /// The cached pools that parse (see [`pools::PoolView::from_pool`]).
     pub fn pool_views(&self) -> Vec<pools::PoolView> {
+        self.readable_pools().0
+    }
+
+    /// [`Context::pool_views`], and how many cached pools do not parse, from one snapshot of the
+    /// cache.
+    pub fn readable_pools(&self) -> (Vec<pools::PoolView>, usize) {
         let slices = self.slice_index();
-        self.caches
-            .pools
-            .state()
+        let cached = self.caches.pools.state();
+        let views: Vec<_> = cached
             .iter()
             .filter_map(|p| pools::PoolView::from_pool_in(p, &slices))
-            .collect()
+            .collect();
+        let unreadable = cached.len() - views.len();
+        (views, unreadable)
     }
 
     /// Which cached pools are node slices, and of which network.
