@@ -107,7 +107,10 @@ impl Invocation {
         let dirs = TrustedDirs::from_env(env);
         // Judged before anything is opened: the network config is its author's, not the node's.
         let (mut node_keys, kubeconfig_check) = match &runtime_ipam {
-            Some((prefix, Value::Object(ipam))) => node_keys(ipam, prefix, &dirs),
+            Some((prefix, Value::Object(ipam))) => (
+                trust::network_config_problems(ipam, prefix, &dirs),
+                trust::kubeconfig_check(ipam, prefix, &dirs),
+            ),
             _ => Default::default(),
         };
         let (flat_file, refused) = find_flat_file(flat, runtime_ipam.as_ref(), &dirs);
@@ -184,23 +187,14 @@ impl Invocation {
         // DEL goes on without them (they were dropped from `merged`): a NAD admitted before this
         // rule must not keep the runtime from deleting its sandboxes.
         if !self.node_keys.errors.is_empty() && command != Command::Del {
-            return Err(CniError::new(
-                Code::InvalidConfig,
-                format!(
-                    "invalid whereabouts config: {}",
-                    problem::join(&self.node_keys.errors)
-                ),
-            ));
+            return Err(invalid_config(problem::join(&self.node_keys.errors)));
         }
         for w in self.node_keys.warnings.iter().chain(&self.node_keys.errors) {
             tracing::warn!("{w}");
         }
         let ipam = validated(merged, prefix)?;
         if let Some(p) = node_slice_pool_problem(prefix, &conf.name, &ipam) {
-            return Err(CniError::new(
-                Code::InvalidConfig,
-                format!("invalid whereabouts config: {p}"),
-            ));
+            return Err(invalid_config(&p));
         }
         let mut args = CniArgs::parse(&self.cni_args)?;
         // Only ADD reads them: a bad `ips` must not keep the runtime from deleting the sandbox.
@@ -223,10 +217,7 @@ impl Invocation {
                 })?,
         };
         if let Some(p) = kept_in_slices_problem(prefix, keep.persistent_ips, &ipam) {
-            return Err(CniError::new(
-                Code::InvalidConfig,
-                format!("invalid whereabouts config: {p}"),
-            ));
+            return Err(invalid_config(&p));
         }
         let requested = requested::assign(&ipam.ranges, &requested)?;
         let attachment = Attachment {
@@ -269,33 +260,11 @@ impl Invocation {
     }
 }
 
-/// The network config's node keys judged against the node's directories, and the check of the
-/// kubeconfig it names, if the directories hold it (run on disk when the plugin connects).
-fn node_keys(
-    ipam: &Map<String, Value>,
-    prefix: &str,
-    dirs: &TrustedDirs,
-) -> (NodeKeyProblems, Option<NamedFile>) {
-    let problems = trust::network_config_problems(ipam, prefix, dirs);
-    let kubeconfig = ipam
-        .get("kubernetes")
-        .and_then(|k| k.get("kubeconfig")?.as_str());
-    let check = kubeconfig
-        .and_then(|k| dirs.holding(k))
-        .map(|dir| NamedFile {
-            key: format!("{prefix}.kubernetes.kubeconfig"),
-            dir: dir.to_path_buf(),
-        });
-    (problems, check)
-}
-
 /// The flat file: a network config's `configuration_path` first, if the node's directories hold
 /// it and the file passes [`trust::check_file`] (one that does not exist is passed over, as any
 /// missing candidate is), then the node's directory from the environment, then the well-known
-/// paths.
-/// A `configuration_path` the node's directories hold but whose file fails the checks on disk
-/// is not followed: the problem is returned beside the flat file found without it (an ADD
-/// refuses it; a DEL goes on with the node's own).
+/// paths. One whose file fails the checks on disk is not followed: the problem is returned beside
+/// the flat file found without it (an ADD refuses it; a DEL goes on with the node's own).
 fn find_flat_file(
     source: FlatSource,
     runtime_ipam: Option<&(String, &Value)>,
@@ -351,15 +320,9 @@ fn validated(merged: &Value, prefix: &str) -> Result<IpamConfig, CniError> {
     for w in &validated.warnings {
         tracing::warn!("{w}");
     }
-    validated.config.ok_or_else(|| {
-        CniError::new(
-            Code::InvalidConfig,
-            format!(
-                "invalid whereabouts config: {}",
-                problem::join(&validated.errors)
-            ),
-        )
-    })
+    validated
+        .config
+        .ok_or_else(|| invalid_config(problem::join(&validated.errors)))
 }
 
 fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
@@ -391,10 +354,7 @@ fn check_result_shape(
     args: &CniArgs,
 ) -> Result<(), CniError> {
     if let Some(p) = result_shape_problem(cni_version, prefix, ipam) {
-        return Err(CniError::new(
-            Code::InvalidConfig,
-            format!("invalid whereabouts config: {p}"),
-        ));
+        return Err(invalid_config(&p));
     }
     if args.ips.is_empty() || !one_address_per_family(cni_version) {
         return Ok(());
@@ -416,8 +376,8 @@ fn args_problem(p: Problem) -> CniError {
     CniError::new(Code::InvalidEnv, format!("CNI_ARGS IP: {p}"))
 }
 
-/// A problem of the config, as the plugin reports it.
-pub fn invalid_config(p: &Problem) -> CniError {
+/// A problem (or the joined problems) of the whereabouts config, as the plugin reports it.
+pub fn invalid_config(p: impl std::fmt::Display) -> CniError {
     CniError::new(
         Code::InvalidConfig,
         format!("invalid whereabouts config: {p}"),

@@ -157,6 +157,20 @@ pub fn network_config_problems(
     out
 }
 
+/// The check of the kubeconfig a network config's ipam object names, when the node's directories
+/// hold it: its file is checked on disk ([`NamedFile::check`]) before it is read.
+pub fn kubeconfig_check(
+    ipam: &Map<String, Value>,
+    prefix: &str,
+    dirs: &TrustedDirs,
+) -> Option<NamedFile> {
+    let path = file_value(ipam, "kubernetes", "kubeconfig")?;
+    Some(NamedFile {
+        key: format!("{prefix}.kubernetes.kubeconfig"),
+        dir: dirs.holding(path)?.to_path_buf(),
+    })
+}
+
 /// Removes from a network config's ipam object what the plugin never follows: the ignored node
 /// keys, and file keys outside the node's directories (so a DEL, which goes on without them,
 /// uses the node's own flat file).
