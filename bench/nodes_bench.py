@@ -242,6 +242,10 @@ class Mode:
             if self.spec["impl"] == "ours":
                 # agent_socket is read from the flat file only; "" = never an agent.
                 flat["agent_socket"] = str(d / "agent.sock") if self.spec["agents"] else ""
+                # Each simulated node has its own bound on plugin processes at work.
+                flat["plugin_slots_dir"] = str(d / "plugin-slots")
+                if self.args.plugin_slots is not None:
+                    flat["plugin_slots"] = self.args.plugin_slots
             (d / "whereabouts.conf").write_text(json.dumps(flat))
             (d / "netconf.json").write_text(json.dumps(self.netconf(d)))
         if self.spec["slices"]:
@@ -873,6 +877,9 @@ def main():
                     help="node_slice_size of the IPv6 ipRanges entry (default /120)")
     ap.add_argument("--network-name", default="nodesbench",
                     help="ipam network_name; also the NAD's and the NodeSlicePool's name")
+    ap.add_argument("--plugin-slots", type=int, default=None,
+                    help="ours: plugin_slots of every node's flat file (default: the plugin's own; "
+                         "0 = unbounded)")
     ap.add_argument("--ours", default=str(ROOT / "target" / "release" / "whereabouts"))
     ap.add_argument("--operator", default=str(ROOT / "target" / "release" / "whereabouts-operator"),
                     help="our operator binary: node agents (`agent`) and slice assignment (`run`)")

@@ -1,7 +1,7 @@
 //! The shared validator, as the CNI plugin, the webhook and the CLI see it.
 
 use serde_json::{Value, json};
-use whereabouts::config::{Source, Validated, validate_ipam};
+use whereabouts::config::{PluginSlots, Source, Validated, validate_ipam};
 
 fn check(ipam: Value) -> Validated {
     validate_ipam(&ipam, "ipam", Source::Runtime)
@@ -369,6 +369,49 @@ fn agent_socket_defaults_turns_off_and_must_be_absolute() {
         assert!(nad.errors.is_empty(), "{:?}", nad.errors);
         assert_eq!(nad.warnings.len(), 1);
     }
+}
+
+#[test]
+fn plugin_slots_default_turn_off_and_are_checked() {
+    let slots = |ipam: Value| check(ipam).config.map(|c| c.plugin_slots);
+    let bound = |count: u32, dir: &str| {
+        Some(Some(PluginSlots {
+            count,
+            dir: dir.to_owned(),
+        }))
+    };
+    assert_eq!(
+        slots(json!({"range": "10.0.0.0/24"})),
+        bound(8, "/run/whereabouts/plugin-slots")
+    );
+    assert_eq!(
+        slots(json!({"range": "10.0.0.0/24", "plugin_slots": 3, "plugin_slots_dir": "/tmp/s"})),
+        bound(3, "/tmp/s")
+    );
+    assert_eq!(
+        slots(json!({"range": "10.0.0.0/24", "plugin_slots": 0})),
+        Some(None)
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "plugin_slots": -1, "plugin_slots_dir": "s"})),
+        vec![
+            r#"ipam.plugin_slots "-1" must be a whole number from 0 (unbounded) to 256"#,
+            r#"ipam.plugin_slots_dir "s" must be an absolute path to a directory (created if missing)"#,
+        ]
+    );
+    assert_eq!(
+        errors(json!({"range": "10.0.0.0/24", "plugin_slots": 257})),
+        vec![r#"ipam.plugin_slots "257" must be a whole number from 0 (unbounded) to 256"#]
+    );
+    // A NAD cannot set the node's bound: ignored there, with a word, whatever its value.
+    let nad = validate_ipam(
+        &json!({"range": "10.0.0.0/24", "plugin_slots": "many", "plugin_slots_dir": "/tmp/x"}),
+        "ipam",
+        Source::Nad,
+    );
+    assert!(nad.errors.is_empty(), "{:?}", nad.errors);
+    assert_eq!(nad.warnings.len(), 2, "{:?}", nad.warnings);
+    assert!(nad.config.unwrap().plugin_slots.is_none());
 }
 
 #[test]

@@ -253,6 +253,8 @@ fn mutated() -> impl Strategy<Value = Value> {
         "log_level",
         "log_file",
         "agent_socket",
+        "plugin_slots",
+        "plugin_slots_dir",
         "configuration_path",
         "kubernetes",
         "cniVersion",

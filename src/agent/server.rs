@@ -251,7 +251,7 @@ impl<S: Datastore + 'static> Agent<S> {
             }
         };
         let alloc = self.batcher.admitted(ticket);
-        let result = cni::handle_within(&*self.store, &alloc, &req).await;
+        let result = cni::handle_within(&*self.store, &alloc, &req, Duration::ZERO).await;
         tracing::info!(
             command = ?req.command,
             pod = %req.attachment.podref,

@@ -23,18 +23,21 @@ pub const ADD_DEADLINE: Duration = Duration::from_secs(110);
 pub const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
 pub const OTHER_DEADLINE: Duration = Duration::from_secs(60);
 
-/// Runs a command within its deadline; an ADD cut off mid-way releases what it took.
+/// Runs a command within what is left of its deadline after `spent` (waiting for the node's
+/// plugin slot); an ADD cut off mid-way releases what it took.
 pub async fn handle_within<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
+    spent: Duration,
 ) -> Result<Option<Reply>, CniError> {
     let deadline = if req.command == Command::Add {
         ADD_DEADLINE
     } else {
         OTHER_DEADLINE
     };
-    if let Ok(result) = tokio::time::timeout(deadline, handle_with(store, alloc, req)).await {
+    let left = deadline.saturating_sub(spent);
+    if let Ok(result) = tokio::time::timeout(left, handle_with(store, alloc, req)).await {
         return result;
     }
     if req.command == Command::Add {

@@ -11,6 +11,7 @@
 //! | [`slices`] | node slices on the node: its slices of a range, taking a free one, its name |
 //! | [`requested`] | requested addresses (`ips`): read, checked, one per range |
 //! | [`keep`] | addresses that stay: the attachment's holder, an IPAMClaim's status |
+//! | [`slots`] | the node's bound on plugin processes that talk to the API server at once |
 //! | [`handoff`] | what the plugin and the node agent say over the agent's socket |
 //! | [`plugin`] | the process: logging, hand-off or local run, stdout |
 
@@ -23,6 +24,7 @@ pub mod protocol;
 pub mod reply;
 pub mod requested;
 pub mod slices;
+pub mod slots;
 
 pub use commands::{
     ADD_DEADLINE, OTHER_DEADLINE, ROLLBACK_BUDGET, handle, handle_with, handle_within,

@@ -15,6 +15,7 @@ use super::handoff::{AgentReply, AgentRequest, client};
 use super::invocation::{FlatSource, Invocation, Logging, Request, invalid_config};
 use super::protocol::{CniError, Code, Command};
 use super::reply::version_reply;
+use super::slots;
 use crate::alloc::Direct;
 use crate::store::kubernetes::KubeStore;
 
@@ -73,17 +74,32 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
             None => {}
         }
     }
+    // Here, the request talks to the API server itself: within the node's bound (`slots`),
+    // held until the process ends.
+    let slot = match &req.ipam.plugin_slots {
+        Some(bound) => slots::take(bound, slots::patience(command))?,
+        None => None,
+    };
+    let spent = slot.as_ref().map_or(Duration::ZERO, |s| s.waited);
+    if let Some(s) = &slot {
+        tracing::debug!(
+            slot = s.index,
+            waited_ms = spent.as_millis() as u64,
+            "took a plugin slot"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let reply = runtime.block_on(run_here(&req))?;
+    let reply = runtime.block_on(run_here(&req, spent))?;
+    drop(slot);
     Ok(reply.map(|r| r.to_value()))
 }
 
-async fn run_here(req: &Request) -> Result<Option<super::Reply>, CniError> {
+async fn run_here(req: &Request, spent: Duration) -> Result<Option<super::Reply>, CniError> {
     let store = connect(req).await?;
-    handle_within(&store, &Direct, req).await
+    handle_within(&store, &Direct, req, spent).await
 }
 
 /// The plugin's own credentials: the kubeconfig the node's flat file names (or one a network

@@ -28,7 +28,12 @@ use super::problem::Problem;
 pub const CONF_DIR_ENV: &str = "WHEREABOUTS_CONF_DIR";
 
 /// Keys of a network config that the plugin ignores, as only the node may set them.
-pub const IGNORED_NODE_KEYS: [&str; 2] = ["agent_socket", "log_file"];
+pub const IGNORED_NODE_KEYS: [&str; 4] = [
+    "agent_socket",
+    "log_file",
+    "plugin_slots",
+    "plugin_slots_dir",
+];
 
 /// The directories a network config may name files in: the node's whereabouts directories.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -115,7 +115,12 @@ impl Ns {
         let _ = ns.kubectl(&["create", "serviceaccount", "default"], None);
         std::fs::write(
             ns.flat_file(),
-            serde_json::json!({"kubernetes": {"kubeconfig": ns.kubeconfig}}).to_string(),
+            // Each test namespace is a node of its own, with its own bound on plugin processes.
+            serde_json::json!({
+                "kubernetes": {"kubeconfig": ns.kubeconfig},
+                "plugin_slots_dir": ns.dir.path().join("plugin-slots"),
+            })
+            .to_string(),
         )
         .unwrap();
         ns
@@ -545,4 +550,33 @@ pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     check()
+}
+
+/// The objects `kubectl kustomize` renders from `dir` (relative to the repository).
+pub fn kustomize(dir: &str) -> Vec<serde_json::Value> {
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &["kustomize", repo().join(dir).to_str().unwrap()],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    // Empty documents are skipped.
+    serde_saphyr::from_multiple(&text).unwrap()
+}
+
+/// A value of the running cluster's `cluster.env` (e2e/cluster.sh): APISERVER_URL, CA_CERT...
+pub fn cluster_env(key: &str) -> String {
+    let state = std::env::var("WHEREABOUTS_E2E_STATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join("e2e/.state"));
+    let env = std::fs::read_to_string(state.join("cluster.env")).unwrap();
+    env.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("{key} not in cluster.env"))
+        .to_owned()
 }

@@ -34,7 +34,8 @@ impl SimNode {
         let kubeconfig = ns.kubeconfig.clone();
         let agent =
             with_agent.then(|| Agent::start_with(&kubeconfig, &dir, kubeconfig.to_str().unwrap()));
-        let mut flat = json!({"kubernetes": {"kubeconfig": kubeconfig}});
+        let slots = dir.join("plugin-slots");
+        let mut flat = json!({"kubernetes": {"kubeconfig": kubeconfig}, "plugin_slots_dir": slots});
         flat["agent_socket"] = match &agent {
             Some(a) => a.socket.to_str().unwrap().into(),
             None => "".into(),

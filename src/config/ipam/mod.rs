@@ -29,6 +29,21 @@ use warnings::warnings;
 
 /// Where the node agent listens (our addition; the DaemonSet's agent container binds it).
 pub const DEFAULT_AGENT_SOCKET: &str = "/run/whereabouts/agent.sock";
+/// Where the plugin processes of a node take their slots (`plugin_slots_dir`, ours).
+pub const DEFAULT_PLUGIN_SLOTS_DIR: &str = "/run/whereabouts/plugin-slots";
+/// How many plugin processes of a node talk to the API server at once (`plugin_slots`, ours):
+/// measured in docs/benchmarks.md ("plugin alone, bounded").
+pub const DEFAULT_PLUGIN_SLOTS: u32 = 8;
+/// The most slots a node may have: each waiting plugin holds a file descriptor per slot.
+pub const MAX_PLUGIN_SLOTS: u64 = 256;
+
+/// The node's bound on its plugin processes that run a request themselves (no agent, or the agent
+/// handed it back): `count` lock files in `dir`, one held by each process at work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginSlots {
+    pub count: u32,
+    pub dir: String,
+}
 
 /// Where a config comes from decides what may be missing: a NAD may leave keys to the node's flat
 /// file, a config handed to the plugin at runtime has already been merged with it.
@@ -81,6 +96,9 @@ pub struct IpamConfig {
     /// The node agent's Unix socket (`agent_socket`, our addition): ADDs and DELs go through the
     /// agent when it listens there, directly to the API server otherwise. `None`: never.
     pub agent_socket: Option<String>,
+    /// The node's bound on plugin processes at work (`plugin_slots`, `plugin_slots_dir`: the flat
+    /// file's, like `agent_socket`). `None`: unbounded (`plugin_slots: 0`).
+    pub plugin_slots: Option<PluginSlots>,
     /// `sticky_statefulset` (ours): a StatefulSet pod's ordinal keeps its address while the
     /// StatefulSet has that ordinal.
     pub sticky_statefulset: bool,
@@ -256,12 +274,13 @@ fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
     // decides), so in a NAD their values are not judged, only pointed out (`trust`): refusing
     // them would refuse a NAD every ADD accepts (found by fuzz/cni_config's validator-agreement
     // property).
-    let (agent_socket, log_file) = match source {
+    let (agent_socket, log_file, plugin_slots) = match source {
         Source::Runtime => (
             read_agent_socket(r),
             r.string("log_file").map(str::to_owned),
+            read_plugin_slots(r),
         ),
-        Source::Nad => (None, None),
+        Source::Nad => (None, None, None),
     };
     r.string("configuration_path");
     let sticky_statefulset = r.bool("sticky_statefulset").unwrap_or(false);
@@ -280,6 +299,7 @@ fn read_config(r: &mut Reader<'_>, source: Source) -> IpamConfig {
         log_file,
         log_level,
         agent_socket,
+        plugin_slots,
     }
 }
 
@@ -332,6 +352,38 @@ fn read_agent_socket(r: &mut Reader<'_>) -> Option<String> {
             None
         }
     }
+}
+
+/// `plugin_slots` (a count, 0 = unbounded) and `plugin_slots_dir` (an absolute path).
+fn read_plugin_slots(r: &mut Reader<'_>) -> Option<PluginSlots> {
+    let count = match r.obj.get("plugin_slots") {
+        None | Some(Value::Null) => Some(u64::from(DEFAULT_PLUGIN_SLOTS)),
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n <= MAX_PLUGIN_SLOTS) => n.as_u64(),
+        Some(v) => {
+            let why = format!("must be a whole number from 0 (unbounded) to {MAX_PLUGIN_SLOTS}");
+            r.errors
+                .push(Problem::with_value(r.path("plugin_slots"), v, why));
+            None
+        }
+    };
+    let dir = match r.obj.get("plugin_slots_dir") {
+        None | Some(Value::Null) => Some(DEFAULT_PLUGIN_SLOTS_DIR.to_owned()),
+        Some(Value::String(s)) if s.starts_with('/') => Some(s.clone()),
+        Some(Value::String(s)) => {
+            r.errors.push(Problem::with_value(
+                r.path("plugin_slots_dir"),
+                s,
+                "must be an absolute path to a directory (created if missing)",
+            ));
+            None
+        }
+        Some(v) => {
+            r.wrong_type("plugin_slots_dir", v, "a string");
+            None
+        }
+    };
+    let count = u32::try_from(count?).ok().filter(|&n| n > 0)?;
+    Some(PluginSlots { count, dir: dir? })
 }
 
 /// True when the config names a range at all; whether it is a good one is checked elsewhere.

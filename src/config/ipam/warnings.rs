@@ -31,6 +31,8 @@ const KNOWN_KEYS: &[&str] = &[
     "log_file",
     "log_level",
     "agent_socket",
+    "plugin_slots",
+    "plugin_slots_dir",
     "sticky_statefulset",
     "allowPersistentIPs",
     "leader_lease_duration",
