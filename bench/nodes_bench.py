@@ -399,7 +399,8 @@ class Mode:
         p = subprocess.Popen(
             [str(self.args.operator), "agent", "--socket", str(sock),
              "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig),
-             "--pool-namespace", self.ns, "--admin-addr", "127.0.0.1:0"],
+             "--pool-namespace", self.ns, "--admin-addr", "127.0.0.1:0",
+             *shlex.split(self.args.agent_args)],
             stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
             env={**os.environ, "NODENAME": node, "RUST_LOG": "info,whereabouts::agent=debug"})
         logf.close()
@@ -704,6 +705,8 @@ def run_mode(kube, key, args, workroot, nodes):
             "adds": adds,
             "ranges": mode.ranges,
             "config": mode.ipam(),
+            "plugin_slots": args.plugin_slots if MODES[key]["impl"] == "ours" else None,
+            "agent_args": args.agent_args if MODES[key]["agents"] else None,
             "slices": mode.slice_info,
             "ok": sum(1 for r in results if r["error"] is None),
             "failures": sum(1 for r in results if r["error"] is not None),
@@ -877,6 +880,9 @@ def main():
                     help="node_slice_size of the IPv6 ipRanges entry (default /120)")
     ap.add_argument("--network-name", default="nodesbench",
                     help="ipam network_name; also the NAD's and the NodeSlicePool's name")
+    ap.add_argument("--agent-args", default="",
+                    help="extra flags of every node agent (e.g. '--max-queued-per-pool 20' to make "
+                         "them hand requests back)")
     ap.add_argument("--plugin-slots", type=int, default=None,
                     help="ours: plugin_slots of every node's flat file (default: the plugin's own; "
                          "0 = unbounded)")

@@ -9,6 +9,7 @@ use anyhow::{Context as _, bail};
 
 use super::run::{parse_duration, signal};
 use crate::admin::{self, AdminState};
+use crate::agent::batch::{Limits, MAX_POOL_QUEUE, MAX_QUEUED};
 use crate::agent::health::Health;
 use crate::agent::{Agent, bind, unbind};
 use crate::config::DEFAULT_AGENT_SOCKET;
@@ -56,6 +57,13 @@ pub struct AgentArgs {
         value_parser = parse_admin_addr
     )]
     pub admin_addr: SocketAddr,
+    /// Requests one pool's queue holds before the agent hands the next ones back to the plugin
+    /// (which then runs them within the node's `plugin_slots`).
+    #[arg(long, env = "WHEREABOUTS_MAX_QUEUED_PER_POOL", default_value_t = MAX_POOL_QUEUE, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_queued_per_pool: usize,
+    /// Requests all queues hold together before the agent hands the next ones back.
+    #[arg(long, env = "WHEREABOUTS_MAX_QUEUED", default_value_t = MAX_QUEUED, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_queued: usize,
 }
 
 /// `--admin-addr`: a socket address, or an unbracketed IPv6 address and a port.
@@ -97,10 +105,15 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tracing::info!(socket = %args.socket.display(), %namespace, serves = %args.serves_kubeconfig, %admin, "node agent listening");
     // The agent's one registry: what it counts and what its admin port renders.
     let metrics = Arc::new(AgentMetrics::new());
-    let agent = Arc::new(Agent::new(
+    let limits = Limits {
+        per_pool: args.max_queued_per_pool,
+        total: args.max_queued,
+    };
+    let agent = Arc::new(Agent::with_limits(
         store,
         args.serves_kubeconfig,
         own_uid,
+        limits,
         metrics.clone(),
     ));
     metrics.register_collector(Box::new(agent.batcher().depth_collector()));

@@ -3,28 +3,14 @@
 //! into a temporary host root and follows token rotation.
 
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use serde_json::json;
 
-use crate::harness::{Ns, admin_kubeconfig, eventually, kubectl_raw, repo, whereabouts_bin};
-
-fn kustomize(dir: &str) -> Vec<serde_json::Value> {
-    let out = kubectl_raw(
-        admin_kubeconfig(),
-        &["kustomize", repo().join(dir).to_str().unwrap()],
-        None,
-    );
-    assert!(
-        out.status.success(),
-        "kubectl kustomize {dir}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
-    // Empty documents are skipped.
-    serde_saphyr::from_multiple(&text).unwrap()
-}
+use crate::harness::{
+    Ns, admin_kubeconfig, cluster_env, eventually, kubectl_raw, kustomize, repo, whereabouts_bin,
+};
 
 fn find<'a>(objects: &'a [serde_json::Value], kind: &str, name: &str) -> &'a serde_json::Value {
     objects
@@ -209,17 +195,6 @@ fn node_identity(ns: &Ns) -> impl Fn() -> String + '_ {
             .trim()
             .to_owned()
     }
-}
-
-fn cluster_env(key: &str) -> String {
-    let state = std::env::var("WHEREABOUTS_E2E_STATE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| repo().join("e2e/.state"));
-    let env = std::fs::read_to_string(state.join("cluster.env")).unwrap();
-    env.lines()
-        .find_map(|l| l.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("{key} not in cluster.env"))
-        .to_owned()
 }
 
 fn install_cni(host: &Path, sa: &Path, extra: &[&str]) -> Command {

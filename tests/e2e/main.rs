@@ -10,6 +10,7 @@ mod install;
 mod keep;
 mod metrics;
 mod netns;
+mod node_limits;
 mod operator;
 mod slices;
 mod status;
