@@ -7,13 +7,16 @@
 //! the API server answer 5xx until most ADDs ran out of time (docs/benchmarks.md). So a plugin
 //! that runs a request itself first takes one of the node's slots: an exclusive `flock` on one of
 //! the lock files. The kernel drops the lock with the process's last file descriptor, so a killed
-//! plugin never keeps a slot. Waiters poll the slots with jittered pauses; one that finds none
-//! free within its patience answers "try again later" (code 11) before it has sent a single
-//! request, so it leaves nothing behind, and the runtime retries it.
+//! plugin never keeps a slot. One that finds none free queues at the node's `gate` lock file
+//! (a blocking `flock`: the kernel queues the waiters and wakes one at a time, so hundreds of
+//! them cost no CPU), and the one holding the gate polls the slots every few milliseconds until
+//! one comes free. A plugin that gets no slot within its patience answers "try again later"
+//! (code 11) before it has sent a single request, so it leaves nothing behind, and the runtime
+//! retries it.
 //!
-//! Why polling and not a blocking `flock`: a waiter blocked on one lock file would wait for that
-//! slot alone while another stood free. Polling every few tens of milliseconds costs a few
-//! failing `flock` calls per round, and a burst drains in the order of its slots' work either way.
+//! Why a gate: a waiter blocked on one slot's file would wait for that slot alone while another
+//! stood free, and hundreds of waiters polling every slot took the CPU the API server needed
+//! (docs/benchmarks.md, "Storms on the plugin alone").
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -29,8 +32,8 @@ use crate::config::PluginSlots;
 pub const ADD_PATIENCE: Duration = Duration::from_secs(40);
 /// How long any other command waits (their deadline is shorter).
 pub const OTHER_PATIENCE: Duration = Duration::from_secs(20);
-/// Pauses between polls are drawn from this range: wide enough that waiters fall out of step.
-const PAUSE_MS: std::ops::RangeInclusive<u64> = 10..=40;
+/// Pauses of the gate holder between polls of the slots (it is the only one polling).
+const PAUSE_MS: std::ops::RangeInclusive<u64> = 1..=3;
 
 /// A slot held by this process until it is dropped (or the process ends).
 #[derive(Debug)]
@@ -51,9 +54,9 @@ pub fn patience(command: Command) -> Duration {
 
 /// Takes a slot of the node's bound. `Ok(None)`: the bound could not be set up (its directory
 /// cannot be created or opened): the request runs unbounded, with a warning, rather than fail
-/// every pod of the node. `Err`: every slot stayed busy for `patience`.
+/// every pod of the node. `Err`: no slot came free within `patience`.
 pub fn take(slots: &PluginSlots, patience: Duration) -> Result<Option<Slot>, CniError> {
-    let files = match open_all(slots) {
+    let (gate, files) = match open_all(slots) {
         Ok(files) => files,
         Err(e) => {
             tracing::warn!(dir = %slots.dir, error = %e, "the node's plugin slots cannot be used: running unbounded");
@@ -62,14 +65,20 @@ pub fn take(slots: &PluginSlots, patience: Duration) -> Result<Option<Slot>, Cni
     };
     let started = Instant::now();
     let mut files: Vec<Option<File>> = files.into_iter().map(Some).collect();
+    let taken = |files: &mut Vec<Option<File>>, index: usize| Slot {
+        _file: files[index].take().expect("a slot is taken once"),
+        index: index as u32,
+        waited: started.elapsed(),
+    };
+    if let Some(index) = try_any(&files) {
+        return Ok(Some(taken(&mut files, index)));
+    }
+    let Some(_gate) = queue_at(gate, patience) else {
+        return Err(busy(slots, patience));
+    };
     loop {
         if let Some(index) = try_any(&files) {
-            let file = files[index].take().expect("a slot is taken once");
-            return Ok(Some(Slot {
-                _file: file,
-                index: index as u32,
-                waited: started.elapsed(),
-            }));
+            return Ok(Some(taken(&mut files, index)));
         }
         let waited = started.elapsed();
         if waited >= patience {
@@ -78,6 +87,19 @@ pub fn take(slots: &PluginSlots, patience: Duration) -> Result<Option<Slot>, Cni
         let pause = Duration::from_millis(fastrand::u64(PAUSE_MS));
         std::thread::sleep(pause.min(patience - waited));
     }
+}
+
+/// Waits in the kernel's queue of the gate's lock, at most `patience`: the gate, once held.
+/// `flock` cannot time out, so a helper thread blocks in it; if the wait is given up, the thread
+/// lets go of the gate as soon as it gets it (its send finds nobody waiting).
+fn queue_at(gate: File, patience: Duration) -> Option<File> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        if flock(&gate, FlockOperation::LockExclusive).is_ok() {
+            let _ = tx.send(gate);
+        }
+    });
+    rx.recv_timeout(patience).ok()
 }
 
 fn busy(slots: &PluginSlots, patience: Duration) -> CniError {
@@ -92,23 +114,26 @@ fn busy(slots: &PluginSlots, patience: Duration) -> CniError {
     )
 }
 
-/// Opens (creating) the directory's lock files `slot-0` .. `slot-<count-1>`. The directory is
-/// root's (0700): the flat file that names it is the node's.
-fn open_all(slots: &PluginSlots) -> std::io::Result<Vec<File>> {
+/// Opens (creating) the directory's `gate` and its lock files `slot-0` .. `slot-<count-1>`. The
+/// directory is root's (0700): the flat file that names it is the node's.
+fn open_all(slots: &PluginSlots) -> std::io::Result<(File, Vec<File>)> {
     let dir = Path::new(&slots.dir);
     DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    (0..slots.count)
-        .map(|i| {
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .custom_flags(OFlags::NOFOLLOW.bits() as i32)
-                .open(dir.join(format!("slot-{i}")))
-        })
-        .collect()
+    let open = |name: String| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(OFlags::NOFOLLOW.bits() as i32)
+            .open(dir.join(name))
+    };
+    let gate = open("gate".into())?;
+    let files = (0..slots.count)
+        .map(|i| open(format!("slot-{i}")))
+        .collect::<std::io::Result<_>>()?;
+    Ok((gate, files))
 }
 
 /// Tries every slot once without blocking, from a random one on (so that waiters do not all
@@ -161,6 +186,29 @@ mod tests {
         let got = take(&slots, Duration::from_secs(5)).unwrap().unwrap();
         assert!(got.waited >= Duration::from_millis(100), "{:?}", got.waited);
         release.join().unwrap();
+    }
+
+    #[test]
+    fn queued_waiters_are_served_one_slot_at_a_time() {
+        let tmp = tempfile::tempdir().unwrap();
+        let slots = bound(tmp.path(), 2);
+        let busy = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let waiters: Vec<_> = (0..12)
+            .map(|_| {
+                let (slots, busy) = (slots.clone(), busy.clone());
+                std::thread::spawn(move || {
+                    use std::sync::atomic::Ordering::SeqCst;
+                    let slot = take(&slots, Duration::from_secs(20)).unwrap().unwrap();
+                    let now = busy.fetch_add(1, SeqCst) + 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                    busy.fetch_sub(1, SeqCst);
+                    drop(slot);
+                    now
+                })
+            })
+            .collect();
+        let most = waiters.into_iter().map(|w| w.join().unwrap()).max();
+        assert_eq!(most, Some(2), "never more at work than there are slots");
     }
 
     #[test]

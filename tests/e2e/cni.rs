@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::harness::Ns;
+use crate::harness::{Cni, Ns};
 
 fn design_ipranges() -> serde_json::Value {
     json!([{"range": "10.10.10.10/24", "range_start": "10.10.10.20", "range_end": "10.10.10.200"},
@@ -351,4 +351,56 @@ fn a_full_pool_object_refuses_the_add_for_good() {
     let del = ns.cni("DEL", &conf, &first.id, "net1", "app", &first.poduid);
     assert!(del.ok, "{} {}", del.stdout, del.stderr);
     assert_eq!(ns.allocations("10.140.0.0-16").len(), entries.len() - 1);
+}
+
+/// The node's bound (`plugin_slots`): while every slot is held, plugins wait and send nothing;
+/// once the slots come free they all run. The slots are held here as a plugin holds one: an
+/// exclusive flock on the slot's lock file.
+#[test]
+fn a_nodes_plugins_wait_for_its_slots_and_send_nothing_meanwhile() {
+    use rustix::fs::{FlockOperation, flock};
+    let ns = Ns::new("slots");
+    let slots = ns.dir.path().join("bound");
+    std::fs::write(
+        ns.flat_file(),
+        json!({"kubernetes": {"kubeconfig": ns.kubeconfig}, "plugin_slots": 2,
+               "plugin_slots_dir": slots})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::create_dir_all(&slots).unwrap();
+    let held: Vec<std::fs::File> = (0..2)
+        .map(|i| {
+            let f = std::fs::File::create(slots.join(format!("slot-{i}"))).unwrap();
+            flock(&f, FlockOperation::NonBlockingLockExclusive).unwrap();
+            f
+        })
+        .collect();
+    let conf = ns.netconf("1.0.0", json!({"range": "10.77.0.0/24"}));
+    let mut waiting = ns.cni_spawn_pods("ADD", &conf, 0..6);
+    std::thread::sleep(Duration::from_secs(2));
+    for p in &mut waiting {
+        assert!(
+            p.try_wait().unwrap().is_none(),
+            "a plugin ran without a slot"
+        );
+    }
+    assert!(
+        ns.get_json(&["ippool", "10.77.0.0-24"]).is_none(),
+        "a waiting plugin wrote to the API server"
+    );
+    drop(held);
+    let results: Vec<Cni> = waiting
+        .into_iter()
+        .map(|c| Cni::from(c.wait_with_output().unwrap()))
+        .collect();
+    let addresses: BTreeSet<String> = results
+        .iter()
+        .map(|r| {
+            assert!(r.ok, "{r:?}");
+            r.addresses()[0].clone()
+        })
+        .collect();
+    assert_eq!(addresses.len(), 6);
+    assert_eq!(ns.allocations("10.77.0.0-24").len(), 6);
 }

@@ -33,7 +33,7 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/run/whereabouts/agent.sock";
 pub const DEFAULT_PLUGIN_SLOTS_DIR: &str = "/run/whereabouts/plugin-slots";
 /// How many plugin processes of a node talk to the API server at once (`plugin_slots`, ours):
 /// measured in docs/benchmarks.md ("plugin alone, bounded").
-pub const DEFAULT_PLUGIN_SLOTS: u32 = 8;
+pub const DEFAULT_PLUGIN_SLOTS: u32 = 4;
 /// The most slots a node may have: each waiting plugin holds a file descriptor per slot.
 pub const MAX_PLUGIN_SLOTS: u64 = 256;
 
