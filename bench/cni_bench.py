@@ -127,9 +127,10 @@ class Kube:
         self.kubectl = str(kubectl)
         self.kubeconfig = str(kubeconfig)
 
-    def run(self, *args, kubeconfig=None, check=True, timeout=120):
+    def run(self, *args, kubeconfig=None, check=True, timeout=120, input_text=None):
         cmd = [self.kubectl, "--kubeconfig", kubeconfig or self.kubeconfig, *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           input=input_text)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
         return r
@@ -174,6 +175,9 @@ class Scenario:
             flat["agent_socket"] = str(self.socket)
         elif self.impl_key in ("ours", "ours-op"):
             flat["agent_socket"] = ""  # never an agent at the default path
+        if self.impl_key.startswith("ours"):
+            # The scenario is a node of its own: its own bound on plugins at work (plugin_slots).
+            flat["plugin_slots_dir"] = str(self.dir / "plugin-slots")
         self.flat.write_text(json.dumps(flat))
         ipam = {
             "type": "whereabouts",

@@ -31,6 +31,7 @@ import datetime
 import ipaddress
 import json
 import os
+import random
 import re
 import resource
 import shlex
@@ -231,9 +232,12 @@ class Mode:
 
     def setup(self):
         self.kube.run("create", "namespace", self.ns)
-        shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
-        self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
-                      kubeconfig=str(self.kubeconfig))
+        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+            self.node_identity()
+        else:
+            shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
+            self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
+                          kubeconfig=str(self.kubeconfig))
         for node in self.nodes:
             d = self.node_dir(node)
             d.mkdir()
@@ -253,6 +257,38 @@ class Mode:
         if self.spec["agents"]:
             for node in self.nodes:
                 self.start_agent(node)
+
+    def node_identity(self):
+        """--identity node / node-no-leases: our plugins and agents run as the real node account
+        whereabouts-system/whereabouts-node, with the node Role of config/rbac/node.yaml (without
+        its Lease rule for node-no-leases: no writer turns) in this namespace, the node
+        ClusterRole, and config/rbac/node-limits.yaml (the Lease policy and the APF level)."""
+        rbac = ROOT / "config" / "rbac"
+        self.kube.run("create", "namespace", "whereabouts-system", check=False)
+        self.kube.run("apply", "-f", str(rbac / "service_accounts.yaml"))
+        self.kube.run("apply", "-f", str(rbac / "node-limits.yaml"))
+        import yaml  # PyYAML (python3-yaml, e2e/install-deps.sh), only for this option
+        docs = [d for d in yaml.safe_load_all((rbac / "node.yaml").read_text()) if d]
+        items = []
+        for d in docs:
+            if d["kind"] in ("Role", "RoleBinding"):
+                d["metadata"]["namespace"] = self.ns
+                if d["kind"] == "Role" and self.args.identity == "node-no-leases":
+                    d["rules"] = [r for r in d["rules"]
+                                  if "coordination.k8s.io" not in r["apiGroups"]]
+            items.append(d)
+        self.kube.run("apply", "-f", "-", input_text=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": items}))
+        token = self.kube.run("-n", "whereabouts-system", "create", "token", "whereabouts-node",
+                              "--duration=2h").stdout.strip()
+        view = self.kube.json("config", "view", "--raw", "--minify")
+        cluster = view["clusters"][0]["cluster"]
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "node",
+            "clusters": [{"name": "c", "cluster": cluster}],
+            "users": [{"name": "node", "user": {"token": token}}],
+            "contexts": [{"name": "node", "context": {"cluster": "c", "user": "node",
+                                                      "namespace": self.ns}}]}))
 
     # -- node slices
 
@@ -440,13 +476,13 @@ class Mode:
 
     # -- the timed part
 
-    def spawn(self, node, i):
+    def spawn(self, node, i, command="ADD"):
         d = self.node_dir(node)
         pod = f"pod-{node}-{i}"
         uid = f"00000000-0000-0000-{self.nodes.index(node):04d}-{i:012d}"
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "CNI_COMMAND": "ADD",
+            "CNI_COMMAND": command,
             "CNI_CONTAINERID": f"c-{node}-{i:04d}-{self.ns}",
             "CNI_NETNS": f"/var/run/netns/{pod}",
             "CNI_IFNAME": "eth0",
@@ -472,9 +508,26 @@ class Mode:
         mem["available_before_mb"] = mem["min_available_mb"]
         done = threading.Event()
 
+        attempts = [1] * n
+
         def waiter(k, p):
             rcs[k] = p.wait()  # blocking waitpid: no polling delay in the latency
             ends[k] = time.monotonic()
+            # --runtime-retries: as a kubelet does with a failed sandbox, DEL it, wait its
+            # backoff, ADD again (the container id stays: the pod is the same).
+            node, i = jobs[k]
+            while (rcs[k] != 0 and attempts[k] <= self.args.runtime_retries and not killed[k]
+                   and time.monotonic() < t0 + timeout):
+                dl = self.spawn(node, i, command="DEL")
+                dl.wait()
+                LIVE.discard(dl)
+                pause = self.args.retry_pause
+                time.sleep(random.uniform(pause / 2, pause * 1.5))
+                attempts[k] += 1
+                p = self.spawn(node, i)
+                procs[k] = p
+                rcs[k] = p.wait()
+                ends[k] = time.monotonic()
 
         def kill_all(reason):
             for k, p in enumerate(procs):
@@ -524,10 +577,13 @@ class Mode:
         wall = max(ends) - t0
         lat = [(e - s) * 1000.0 for s, e in zip(starts, ends)]
         results = [self.outcome(k, node, i, rcs[k], killed[k]) for k, (node, i) in enumerate(jobs)]
-        for r, ms in zip(results, lat):
+        for r, ms, a in zip(results, lat, attempts):
             r["latency_ms"] = round(ms, 2)
+            r["attempts"] = a
         mem["peak_used_mb"] = round(mem["available_before_mb"] - mem["min_available_mb"], 1)
-        return results, {"wall_s": wall, "spawn_s": spawn_s, "memory": mem}
+        retried = sum(1 for a in attempts if a > 1)
+        return results, {"wall_s": wall, "spawn_s": spawn_s, "memory": mem,
+                         "runtime_retried": retried, "runtime_attempts": sum(attempts)}
 
     def outcome(self, k, node, i, rc, killed):
         d = self.node_dir(node)
@@ -706,6 +762,7 @@ def run_mode(kube, key, args, workroot, nodes):
             "ranges": mode.ranges,
             "config": mode.ipam(),
             "plugin_slots": args.plugin_slots if MODES[key]["impl"] == "ours" else None,
+            "identity": args.identity if MODES[key]["impl"] == "ours" else "admin",
             "agent_args": args.agent_args if MODES[key]["agents"] else None,
             "slices": mode.slice_info,
             "ok": sum(1 for r in results if r["error"] is None),
@@ -738,6 +795,8 @@ def run_mode(kube, key, args, workroot, nodes):
             f"api={rec['api_requests']} ({rec['api_requests_per_add']:.2f}/ADD, "
             f"{fmt_verbs(rec)}) rejected={rec['api_rejected']} 5xx={rec['api_5xx']} "
             f"retries={rec['retries']} cpu={cpu} mem={extra['memory']}"
+            + (f" runtime-retried={rec['runtime_retried']} attempts={rec['runtime_attempts']}"
+               if args.runtime_retries else "")
             + (f" agent-served={rec['agent_served']}" if rec["agent_served"] is not None else "")
             + (f" outside-node-slice={rec['outside_node_slice']}"
                if "outside_node_slice" in rec else ""))
@@ -880,6 +939,16 @@ def main():
                     help="node_slice_size of the IPv6 ipRanges entry (default /120)")
     ap.add_argument("--network-name", default="nodesbench",
                     help="ipam network_name; also the NAD's and the NodeSlicePool's name")
+    ap.add_argument("--runtime-retries", type=int, default=0,
+                    help="retry a failed ADD up to N times as a kubelet does: DEL, a pause of "
+                         "--retry-pause (jittered 0.5x-1.5x), ADD again (default 0: each ADD once)")
+    ap.add_argument("--retry-pause", type=float, default=10.0,
+                    help="the pause before a retried ADD, s (default 10: the kubelet's pod worker "
+                         "backoff)")
+    ap.add_argument("--identity", choices=("admin", "node", "node-no-leases"), default="admin",
+                    help="who our plugins and agents are: the cluster admin (default), or the "
+                         "real node account with config/rbac's rights and limits (node-no-leases: "
+                         "without the Lease rule, so no writer turns); upstream stays admin")
     ap.add_argument("--agent-args", default="",
                     help="extra flags of every node agent (e.g. '--max-queued-per-pool 20' to make "
                          "them hand requests back)")

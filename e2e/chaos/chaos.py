@@ -134,6 +134,9 @@ class Fleet:
                 flat["agent_socket"] = str(self.socket)
             elif member == "direct":
                 flat["agent_socket"] = ""
+            if member != "upstream":
+                # Each member is a node of its own: its own bound on plugins at work.
+                flat["plugin_slots_dir"] = str(self.work / f"{member}-slots")
             (self.work / f"{member}.conf").write_text(json.dumps(flat))
             ipam = {"type": "whereabouts", "configuration_path": str(self.work / f"{member}.conf"),
                     "log_level": "verbose", **ranges}
