@@ -213,6 +213,11 @@ class Mode:
 
     def ipam(self, node_dir=None):
         ranges = [{"range": r} for r in self.ranges]
+        if self.args.size:
+            # --size N: exactly N addresses in each range (range_start/range_end).
+            for r, net in zip(ranges, self.nets):
+                r["range_start"] = str(net[1])
+                r["range_end"] = str(net[self.args.size])
         ipam = {"type": "whereabouts", "network_name": self.args.network_name, "ipRanges": ranges}
         if self.spec["slices"]:
             ipam["node_slice_size"] = self.args.v4_slice
@@ -476,14 +481,16 @@ class Mode:
 
     # -- the timed part
 
-    def spawn(self, node, i, command="ADD"):
+    def spawn(self, node, i, command="ADD", gen=0):
+        """Plugin `command` for pod i of node; `gen` 1 is the pod that replaces it (--recreate)."""
         d = self.node_dir(node)
-        pod = f"pod-{node}-{i}"
-        uid = f"00000000-0000-0000-{self.nodes.index(node):04d}-{i:012d}"
+        suffix = f"-g{gen}" if gen else ""
+        pod = f"pod-{node}-{i}{suffix}"
+        uid = f"00000000-0000-{gen:04d}-{self.nodes.index(node):04d}-{i:012d}"
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "CNI_COMMAND": command,
-            "CNI_CONTAINERID": f"c-{node}-{i:04d}-{self.ns}",
+            "CNI_CONTAINERID": f"c-{node}-{i:04d}{suffix}-{self.ns}",
             "CNI_NETNS": f"/var/run/netns/{pod}",
             "CNI_IFNAME": "eth0",
             "CNI_PATH": "/opt/cni/bin",
@@ -492,7 +499,8 @@ class Mode:
             "NODENAME": node,
             "WHEREABOUTS_CONF_DIR": str(d),
         }
-        p = cb.spawn_plugin(self.binary, env, d / "netconf.json", d / f"{i}.out", d / f"{i}.err")
+        p = cb.spawn_plugin(self.binary, env, d / "netconf.json", d / f"{i}{suffix}.out",
+                            d / f"{i}{suffix}.err")
         LIVE.add(p)
         return p
 
@@ -584,6 +592,69 @@ class Mode:
         retried = sum(1 for a in attempts if a > 1)
         return results, {"wall_s": wall, "spawn_s": spawn_s, "memory": mem,
                          "runtime_retried": retried, "runtime_attempts": sum(attempts)}
+
+    def recreate(self, per_node, timeout):
+        """--recreate: every pod replaced at once. The DEL of each old sandbox (retried every
+        1-3 s until it succeeds, as runtimes do) races the ADD of its replacement (retried as
+        --runtime-retries says). Timed to the last replacement's address."""
+        jobs = [(node, i) for i in range(per_node) for node in self.nodes]
+        t0 = time.monotonic()
+        stats = {"del_attempts": 0, "del_failed": 0, "add_attempts": 0, "placed": 0,
+                 "del_deadlines": 0, "add_deadlines": 0}
+        ends = []
+        lock = threading.Lock()
+
+        def run(node, i, command, gen):
+            p = self.spawn(node, i, command, gen=gen)
+            rc = p.wait()
+            LIVE.discard(p)
+            d, suffix = self.node_dir(node), f"-g{gen}" if gen else ""
+            text = (d / f"{i}{suffix}.out").read_text(errors="replace")
+            return rc, "did not finish within" in text
+
+        def old(node, i):
+            while time.monotonic() < t0 + timeout:
+                rc, late = run(node, i, "DEL", 0)
+                with lock:
+                    stats["del_attempts"] += 1
+                    stats["del_deadlines"] += late
+                if rc == 0:
+                    return
+                time.sleep(random.uniform(1, 3))
+            with lock:
+                stats["del_failed"] += 1
+
+        def new(node, i):
+            for attempt in range(self.args.runtime_retries + 1):
+                rc, late = run(node, i, "ADD", 1)
+                with lock:
+                    stats["add_attempts"] += 1
+                    stats["add_deadlines"] += late
+                if rc == 0:
+                    with lock:
+                        stats["placed"] += 1
+                        ends.append(time.monotonic())
+                    return
+                if attempt < self.args.runtime_retries and time.monotonic() < t0 + timeout:
+                    run(node, i, "DEL", 1)
+                    pause = self.args.retry_pause
+                    time.sleep(random.uniform(pause / 2, pause * 1.5))
+
+        threads = [threading.Thread(target=f, args=job, daemon=True)
+                   for job in jobs for f in (old, new)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=max(0.0, t0 + timeout + 150 - time.monotonic()))
+        kill_live()
+        stats["wall_s"] = round((max(ends) if ends else time.monotonic()) - t0, 2)
+        _, in_pool = cb.pool_owners(self.kube, self.ns)
+        refs = [ref for v in in_pool.values() for ref in v]
+        stats["pool_entries_new"] = sum(1 for r in refs if r.endswith("-g1"))
+        stats["pool_entries_old"] = sum(1 for r in refs if not r.endswith("-g1"))
+        stats["pool_duplicates"] = sum(len(set(v)) - 1 for v in in_pool.values())
+        log(f"  re-creation: {json.dumps(stats)}")
+        return stats
 
     def outcome(self, k, node, i, rc, killed):
         d = self.node_dir(node)
@@ -748,6 +819,8 @@ def run_mode(kube, key, args, workroot, nodes):
         adds = len(results)
         api = api_diff(api_before, api_counts(kube), adds)
         check = mode.verify(results)
+        if args.recreate:
+            check["recreate"] = mode.recreate(args.per_node, args.timeout)
         lat = [r["latency_ms"] for r in results]
         apiserver_cpu = cpu.get("kube-apiserver")
         rec = {
@@ -945,6 +1018,11 @@ def main():
     ap.add_argument("--retry-pause", type=float, default=10.0,
                     help="the pause before a retried ADD, s (default 10: the kubelet's pod worker "
                          "backoff)")
+    ap.add_argument("--size", type=int, default=0,
+                    help="exactly N addresses per range (range_start/range_end; default: all)")
+    ap.add_argument("--recreate", action="store_true",
+                    help="then replace every pod at once: old DELs (retried every 1-3 s until "
+                         "they succeed) race the new pods' ADDs (retried per --runtime-retries)")
     ap.add_argument("--identity", choices=("admin", "node", "node-no-leases"), default="admin",
                     help="who our plugins and agents are: the cluster admin (default), or the "
                          "real node account with config/rbac's rights and limits (node-no-leases: "
