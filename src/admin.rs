@@ -6,12 +6,49 @@
 //! node agent adds one). `/metrics` renders what the process was given: the operator's registry or
 //! the agent's. [`router`] is a function so tests can drive it with `oneshot`.
 
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+
+/// Binds a TCP listener at `addr` with `backlog`. `[::]`, the default of the operator's
+/// listeners, takes both families on Linux (IPv4 peers as mapped addresses), so IPv6-only,
+/// dual-stack and IPv4 clusters all reach it; on a kernel without IPv6 (`ipv6.disable=1`) it
+/// falls back to `0.0.0.0`, with a warning. Returns the listener and the address it has.
+pub fn listen(addr: SocketAddr, backlog: u32) -> io::Result<(std::net::TcpListener, SocketAddr)> {
+    match bind(addr, backlog) {
+        Err(e) if addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) && no_ipv6(&e) => {
+            let v4 = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), addr.port());
+            tracing::warn!(%addr, error = %e, "this kernel has no IPv6: listening on {v4}");
+            Ok((bind(v4, backlog)?, v4))
+        }
+        other => other.map(|l| (l, addr)),
+    }
+}
+
+fn bind(addr: SocketAddr, backlog: u32) -> io::Result<std::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As std's TcpListener::bind does: a restarted process can bind while old connections linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)?.into_std()
+}
+
+fn no_ipv6(e: &io::Error) -> bool {
+    use rustix::io::Errno;
+    matches!(
+        Errno::from_io_error(e),
+        Some(Errno::AFNOSUPPORT | Errno::ADDRNOTAVAIL)
+    )
+}
 
 type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 type Render = Arc<dyn Fn() -> String + Send + Sync>;
@@ -105,6 +142,21 @@ mod tests {
     use tower::ServiceExt as _;
 
     use super::*;
+
+    #[tokio::test]
+    async fn the_unspecified_ipv6_address_takes_both_families() {
+        let (listener, bound) = listen("[::]:0".parse().unwrap(), 16).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        assert!(bound.ip().is_unspecified());
+        for peer in ["127.0.0.1", "::1"] {
+            let peer: IpAddr = peer.parse().unwrap();
+            if bound.is_ipv4() && peer.is_ipv6() {
+                continue; // a kernel without IPv6: the fallback took 0.0.0.0
+            }
+            std::net::TcpStream::connect((peer, port))
+                .unwrap_or_else(|e| panic!("{peer} cannot reach [::]:{port}: {e}"));
+        }
+    }
 
     async fn get(state: &AdminState, path: &str) -> (StatusCode, String) {
         let req = Request::get(path).body(Body::empty()).unwrap();

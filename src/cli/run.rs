@@ -28,19 +28,20 @@ use crate::webhook::{self, WatchedNads, WebhookState, tls::CertFiles};
 /// The flags of `run`, each with a `WHEREABOUTS_<NAME>` environment fallback.
 #[derive(Debug, Clone, clap::Args)]
 pub struct RunArgs {
-    /// Plain-HTTP address for /metrics, /livez and /readyz.
+    /// Plain-HTTP address for /metrics, /livez and /readyz. `[::]` takes IPv4 and IPv6 (on a
+    /// kernel without IPv6 it falls back to `0.0.0.0`).
     #[arg(
         long,
         env = "WHEREABOUTS_ADMIN_ADDR",
-        default_value = "0.0.0.0:8080",
+        default_value = "[::]:8080",
         value_name = "ADDR"
     )]
     pub admin_addr: SocketAddr,
-    /// HTTPS address of the admission webhook (POST /validate).
+    /// HTTPS address of the admission webhook (POST /validate); `[::]` as `--admin-addr`.
     #[arg(
         long,
         env = "WHEREABOUTS_WEBHOOK_ADDR",
-        default_value = "0.0.0.0:8443",
+        default_value = "[::]:8443",
         value_name = "ADDR"
     )]
     pub webhook_addr: SocketAddr,
@@ -354,10 +355,10 @@ impl Components {
     /// The admin port (probes and metrics), last: it serves the checks every component added.
     /// Returns the tasks, now all there.
     async fn start_admin(mut self, args: &RunArgs) -> anyhow::Result<Vec<Task>> {
-        let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)
-            .await
+        let (listener, addr) = admin::listen(args.admin_addr, 1024)
             .with_context(|| format!("--admin-addr {}: cannot listen", args.admin_addr))?;
-        let (stop, addr, admin_state) = (self.shutdown.clone(), args.admin_addr, self.admin_state);
+        let admin_listener = tokio::net::TcpListener::from_std(listener)?;
+        let (stop, admin_state) = (self.shutdown.clone(), self.admin_state);
         self.tasks.push(Box::pin(async move {
             tracing::info!(addr = %addr, "admin port listening (HTTP)");
             axum::serve(admin_listener, admin::router(admin_state))

@@ -83,15 +83,7 @@ pub const LISTEN_BACKLOG: u32 = 1024;
 /// A listening socket for the webhook on `addr`, with [`LISTEN_BACKLOG`]. Must run inside the
 /// Tokio runtime.
 pub fn listen(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    // As std's TcpListener::bind does: a restarted operator can bind while old connections linger.
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)?.into_std()
+    crate::admin::listen(addr, LISTEN_BACKLOG).map(|(listener, _)| listener)
 }
 
 /// The webhook's limits; `Default` is what production runs with.

@@ -426,8 +426,14 @@ pub fn free_port() -> u16 {
 
 /// A plain HTTP/1.1 GET on loopback; the whole response (status line, headers, body).
 pub fn http_get(port: u16, path: &str) -> Option<String> {
+    http_get_at("127.0.0.1", port, path)
+}
+
+/// [`http_get`] at another address (`::1`...).
+pub fn http_get_at(ip: &str, port: u16, path: &str) -> Option<String> {
     use std::io::Read;
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    let ip: std::net::IpAddr = ip.parse().ok()?;
+    let mut s = std::net::TcpStream::connect((ip, port)).ok()?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .ok()?;
     write!(
@@ -461,10 +467,22 @@ impl OperatorProcess {
         env: &[(&str, &str)],
     ) -> OperatorProcess {
         let admin_port = free_port();
+        Self::start_at(&format!("127.0.0.1:{admin_port}"), dir, name, extra, env)
+    }
+
+    /// [`OperatorProcess::start_with_env`] with the admin port at `admin` (`[::]:PORT`...).
+    pub fn start_at(
+        admin: &str,
+        dir: &Path,
+        name: &str,
+        extra: &[String],
+        env: &[(&str, &str)],
+    ) -> OperatorProcess {
+        let admin_port = admin.rsplit(':').next().unwrap().parse().unwrap();
         let log = dir.join(format!("{name}.log"));
         let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
             .arg("run")
-            .arg(format!("--admin-addr=127.0.0.1:{admin_port}"))
+            .arg(format!("--admin-addr={admin}"))
             .args(extra)
             .env("KUBECONFIG", admin_kubeconfig())
             .env("RUST_LOG", "info,whereabouts=debug")

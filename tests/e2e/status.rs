@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, repo};
+use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, free_port, http_get_at, repo};
 
 #[test]
 fn kubectl_get_ippools_shows_size_allocated_and_free() {
@@ -72,4 +72,27 @@ fn kubectl_get_ippools_shows_size_allocated_and_free() {
     );
     // A plugin's write of spec never touches the status, and the status write never the spec.
     assert_eq!(ns.allocations("10.165.0.0-28").len(), 5);
+}
+
+/// The operator's default listener, `[::]`, answers IPv6 peers (an IPv6-only cluster's kubelet
+/// and Prometheus) and IPv4 peers alike.
+#[test]
+fn the_operator_answers_probes_over_ipv6_and_ipv4_on_its_default_address() {
+    let ns = Ns::new("dualstack");
+    let port = free_port();
+    let mut op = OperatorProcess::start_at(
+        &format!("[::]:{port}"),
+        ns.dir.path(),
+        "op",
+        &[
+            format!("--pool-namespace={}", ns.name),
+            "--leader-election=false".into(),
+        ],
+        &[],
+    );
+    op.wait_ready();
+    for ip in ["::1", "127.0.0.1"] {
+        let answer = http_get_at(ip, port, "/readyz").unwrap_or_default();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{ip}: {answer:?}");
+    }
 }
