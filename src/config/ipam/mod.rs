@@ -335,20 +335,29 @@ fn missing_range(
 /// `agent_socket`: absent means the default path, `""` turns the agent off, anything else must be
 /// an absolute path (the plugin runs with whatever working directory the runtime gives it).
 fn read_agent_socket(r: &mut Reader<'_>) -> Option<String> {
-    match r.obj.get("agent_socket") {
-        None | Some(Value::Null) => Some(DEFAULT_AGENT_SOCKET.to_owned()),
-        Some(Value::String(s)) if s.is_empty() => None,
+    if r.obj.get("agent_socket").and_then(Value::as_str) == Some("") {
+        return None;
+    }
+    read_absolute_path(
+        r,
+        "agent_socket",
+        DEFAULT_AGENT_SOCKET,
+        "must be an absolute path to the node agent's Unix socket, or \"\" to turn the agent off",
+    )
+}
+
+/// A node key naming a host path: `default` when absent, else an absolute path; `why` follows
+/// the value in the problem of a relative one.
+fn read_absolute_path(r: &mut Reader<'_>, key: &str, default: &str, why: &str) -> Option<String> {
+    match r.obj.get(key) {
+        None | Some(Value::Null) => Some(default.to_owned()),
         Some(Value::String(s)) if s.starts_with('/') => Some(s.clone()),
         Some(Value::String(s)) => {
-            r.errors.push(Problem::with_value(
-                r.path("agent_socket"),
-                s,
-                "must be an absolute path to the node agent's Unix socket, or \"\" to turn the agent off",
-            ));
+            r.errors.push(Problem::with_value(r.path(key), s, why));
             None
         }
         Some(v) => {
-            r.wrong_type("agent_socket", v, "a string");
+            r.wrong_type(key, v, "a string");
             None
         }
     }
@@ -366,22 +375,12 @@ fn read_plugin_slots(r: &mut Reader<'_>) -> Option<PluginSlots> {
             None
         }
     };
-    let dir = match r.obj.get("plugin_slots_dir") {
-        None | Some(Value::Null) => Some(DEFAULT_PLUGIN_SLOTS_DIR.to_owned()),
-        Some(Value::String(s)) if s.starts_with('/') => Some(s.clone()),
-        Some(Value::String(s)) => {
-            r.errors.push(Problem::with_value(
-                r.path("plugin_slots_dir"),
-                s,
-                "must be an absolute path to a directory (created if missing)",
-            ));
-            None
-        }
-        Some(v) => {
-            r.wrong_type("plugin_slots_dir", v, "a string");
-            None
-        }
-    };
+    let dir = read_absolute_path(
+        r,
+        "plugin_slots_dir",
+        DEFAULT_PLUGIN_SLOTS_DIR,
+        "must be an absolute path to a directory (created if missing)",
+    );
     let count = u32::try_from(count?).ok().filter(|&n| n > 0)?;
     Some(PluginSlots { count, dir: dir? })
 }
