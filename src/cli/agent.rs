@@ -92,8 +92,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         bail!("--pool-namespace {namespace:?}: {problem}");
     }
     config.connect_timeout = Some(Duration::from_secs(10));
-    let client = crate::kubeconfig::http2_client(config).context("kubernetes client")?;
-    let store = KubeStore::new(client, &namespace);
+    let store = KubeStore::over_http2(config, &namespace).context("kubernetes client")?;
     // The admin port first: a port taken is a configuration error to report before the socket
     // is taken over.
     let admin_listener = tokio::net::TcpListener::bind(args.admin_addr)

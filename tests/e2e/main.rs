@@ -5,6 +5,7 @@ mod agent;
 mod audit;
 mod certs;
 mod cni;
+mod connection;
 mod harness;
 mod install;
 mod keep;

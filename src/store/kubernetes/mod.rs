@@ -38,6 +38,9 @@ use watch::to_pool;
 #[derive(Clone)]
 pub struct KubeStore {
     pools: Api<IPPool>,
+    /// The pools, for watches: on a connection of their own when requests share one (see
+    /// [`KubeStore::over_http2`]).
+    watched_pools: Api<IPPool>,
     reservations: Api<OverlappingRangeIPReservation>,
     leases: Api<Lease>,
     pods: Api<Pod>,
@@ -62,9 +65,33 @@ pub fn turn_name(pool: &str) -> Option<String> {
 }
 
 impl KubeStore {
+    /// The node agent's store: its requests share one HTTP/2 connection (see
+    /// [`crate::kubeconfig::http2_client`]), and its pool watches share another. HTTP/2 flow
+    /// control is per connection too: what a stream received and its reader has not read yet
+    /// holds part of the connection's window. Every write of a pool sends the whole object to
+    /// each watch of it, and a waiter busy with a request does not read its watch meanwhile, so
+    /// a few watches of a big pool fill the window, and then no response can arrive on that
+    /// connection: every request waits for ever, those the waiters are busy with included
+    /// (tests/e2e/connection.rs). On their own connection, an unread watch only delays the
+    /// other watches, and every wait on a watch is bounded.
+    pub fn over_http2(
+        config: kube::Config,
+        namespace: &str,
+    ) -> std::result::Result<Self, kube::Error> {
+        let requests = crate::kubeconfig::http2_client(config.clone())?;
+        let watches = crate::kubeconfig::http2_client(config)?;
+        Ok(KubeStore {
+            watched_pools: Api::namespaced(watches, namespace),
+            ..KubeStore::new(requests, namespace)
+        })
+    }
+
+    /// A store whose requests and watches all go through `client`: kube-rs's own client opens
+    /// a connection per request in flight, so they cannot hold each other up.
     pub fn new(client: Client, namespace: &str) -> Self {
         KubeStore {
             pools: Api::namespaced(client.clone(), namespace),
+            watched_pools: Api::namespaced(client.clone(), namespace),
             reservations: Api::namespaced(client.clone(), namespace),
             leases: Api::namespaced(client.clone(), namespace),
             slices: Api::namespaced(client.clone(), namespace),
@@ -177,7 +204,7 @@ impl Datastore for KubeStore {
 
     async fn watch_pool(&self, pool: &str, resource_version: &str) -> Result<KubeChanges> {
         let params = WatchParams::default().fields(&format!("metadata.name={pool}"));
-        let stream = retrying(|| self.pools.watch(&params, resource_version))
+        let stream = retrying(|| self.watched_pools.watch(&params, resource_version))
             .await
             .map_err(|e| error("watch", format!("ippool {pool}"), e))?;
         Ok(KubeChanges::new(pool, Box::pin(stream)))
