@@ -361,6 +361,38 @@ async fn only_recent_claims_are_recorded_for_others() {
     assert_eq!(pool.allocations[&3].podref, "ns/slow");
 }
 
+/// A retried ADD finds the claim its earlier attempt made and did not record: it writes the claim
+/// afresh before it records it, so that the audit, which spares claims by their last write, never
+/// sweeps a claim that is being recorded.
+#[tokio::test]
+async fn an_earlier_attempts_claim_is_renewed_before_it_is_recorded() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let spec = whereabouts::crd::OverlappingRangeIPReservationSpec {
+        containerid: "c0".into(),
+        podref: "ns/p0".into(),
+        ifname: "net1".into(),
+        ..Default::default()
+    };
+    let ip: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+    store
+        .create_reservation("10.0.0.1", &spec, "10.0.0.0-24", ip)
+        .await
+        .unwrap();
+    let before = store.get_reservation("10.0.0.1").await.unwrap().unwrap();
+    let out = run(&store, Command::Add, &ipam, "c0", "p0").await.unwrap();
+    assert_eq!(addresses(&out.unwrap()), ["10.0.0.1/24"]);
+    assert_eq!(store.count("renew_claim"), 1);
+    let after = store.get_reservation("10.0.0.1").await.unwrap().unwrap();
+    assert_eq!(after.uid, before.uid, "the same claim");
+    assert_ne!(
+        after.resource_version, before.resource_version,
+        "written afresh"
+    );
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(pool.allocations[&1].id, "c0");
+}
+
 #[tokio::test]
 async fn overlapping_pools_share_addresses_through_reservations() {
     let store = MemoryStore::new();

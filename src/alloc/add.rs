@@ -151,15 +151,22 @@ impl<S: Datastore> Engine<'_, S> {
         else {
             return Ok(None);
         };
-        let current = match self.target.ip(own.offset) {
-            Some(ip) => {
-                self.store
-                    .get_reservation(&self.target.reservation(ip))
-                    .await?
-            }
-            None => None,
+        let Some(ip) = self.target.ip(own.offset) else {
+            return Ok(None);
         };
-        Ok(current.filter(|r| r.uid == own.uid).map(|_| Attempt {
+        let name = self.target.reservation(ip);
+        let Some(current) = self.store.get_reservation(&name).await? else {
+            return Ok(None);
+        };
+        // Renewed before it is recorded: it may be older than the audit's sweep spares (see
+        // CLAIM_LIFETIME), and the sweep deletes only the version it saw.
+        let renewed = current.uid == own.uid
+            && self
+                .store
+                .renew_claim(&name, &current.uid, &current.resource_version)
+                .await?
+                == Write::Done;
+        Ok(renewed.then(|| Attempt {
             offset: own.offset,
             claimed: Some(own.uid.clone()),
             verify: true,

@@ -3,10 +3,20 @@
 //! pending work of whoever writes the pool next.
 
 use std::net::IpAddr;
+use std::time::Duration;
 
 use super::{Attachment, Engine};
 use crate::crd::IPAllocation;
 use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
+
+/// How long a claim may wait for its pool entry while its writer is still at work. An ADD records
+/// its claim, or rolls it back, within its deadline and rollback budget of writing it
+/// (`cni::ADD_DEADLINE` + `cni::ROLLBACK_BUDGET`, checked there at compile time); a writer that
+/// finishes a claim written earlier (by an earlier attempt of its container) renews it first
+/// ([`Datastore::renew_claim`]), and an agent's group that runs longer than a third of this hands
+/// its claims to that path. So the audit, which sweeps no claim written within this long (plus a
+/// margin for clocks), never deletes a claim that a writer may still record.
+pub const CLAIM_LIFETIME: Duration = Duration::from_secs(120);
 
 /// The outcome of trying to claim an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +92,17 @@ impl<S: Datastore> Engine<'_, S> {
         who: &Attachment,
     ) -> Result<Claim, StoreError> {
         if r.spec.containerid == who.container_id {
-            return Ok(Claim::Ours(r.uid.clone()));
+            // An earlier attempt's claim: renewed before it is recorded (see CLAIM_LIFETIME).
+            return Ok(
+                match self
+                    .store
+                    .renew_claim(name, &r.uid, &r.resource_version)
+                    .await?
+                {
+                    Write::Done => Claim::Ours(r.uid.clone()),
+                    _ => Claim::Race,
+                },
+            );
         }
         let spec = who.reservation();
         Ok(

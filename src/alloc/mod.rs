@@ -57,6 +57,7 @@ use crate::ipam::AddrRange;
 use crate::ipam::naming::reservation_name;
 use crate::store::{Datastore, Pool, StoreError};
 
+pub use claim::CLAIM_LIFETIME;
 pub use group::Job;
 pub use release::remove_entries;
 

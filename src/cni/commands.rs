@@ -22,6 +22,10 @@ pub const ADD_DEADLINE: Duration = Duration::from_secs(110);
 /// within upstream's two minutes), so a timed-out ADD leaves no claim behind.
 pub const ROLLBACK_BUDGET: Duration = Duration::from_secs(10);
 pub const OTHER_DEADLINE: Duration = Duration::from_secs(60);
+// A claim of a running ADD is recorded or rolled back within the lifetime the audit spares.
+const _: () = assert!(
+    ADD_DEADLINE.as_secs() + ROLLBACK_BUDGET.as_secs() <= crate::alloc::CLAIM_LIFETIME.as_secs()
+);
 
 /// Runs a command within what is left of its deadline after `spent` (waiting for the node's
 /// plugin slot); an ADD cut off mid-way releases what it took.

@@ -95,6 +95,8 @@ pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
 /// by more than a bucket only has its claims recorded by itself instead of by a turn holder.
 pub const CLAIMED_LABEL: &str = "whereabouts.cni.cncf.io/claimed";
 pub const CLAIM_BUCKET_SECONDS: i64 = 30;
+/// When a claim was last renewed (seconds since the epoch; see [`Datastore::renew_claim`]).
+pub const RENEWED_ANNOTATION: &str = "whereabouts.cni.cncf.io/renewed";
 /// Set on a reservation (to the claim bucket of the moment) by a DEL about to remove its entry:
 /// a turn holder then removes it together with every other announced release in one write, and
 /// no claims list mistakes it for a claim still waiting to be recorded.
@@ -337,6 +339,17 @@ pub trait Datastore: Send + Sync {
         uid: &str,
         resource_version: &str,
         spec: &OverlappingRangeIPReservationSpec,
+    ) -> impl Future<Output = Result<Write>> + Send;
+    /// Writes a claim afresh, if it is still exactly the version that was read: its claim bucket
+    /// moves to now and [`RENEWED_ANNOTATION`] to this second, so that its resourceVersion and
+    /// last write change. A writer about to record a claim made earlier (by an earlier attempt)
+    /// renews it first: the audit never sweeps a claim written within
+    /// [`crate::alloc::CLAIM_LIFETIME`] (plus a margin), and deletes only the version it saw.
+    fn renew_claim(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
     ) -> impl Future<Output = Result<Write>> + Send;
     fn get_reservation(
         &self,

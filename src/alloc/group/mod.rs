@@ -29,6 +29,11 @@ pub use release::release_group;
 
 /// Rounds of claim-and-write before the rest of a group goes one by one.
 const GROUP_ROUNDS: u32 = 8;
+/// How long a group claims and writes before the rest goes one by one: that path renews the
+/// claims it finishes, so none is recorded after the audit could take it for abandoned (see
+/// [`CLAIM_LIFETIME`](crate::alloc::CLAIM_LIFETIME)).
+const GROUP_BUDGET: std::time::Duration =
+    std::time::Duration::from_secs(crate::alloc::CLAIM_LIFETIME.as_secs() / 3);
 /// Jobs going the one-by-one way at once.
 const ALONE_AT_ONCE: usize = 16;
 /// Reservations created at once: enough to hide the API server's latency, few enough that one
@@ -172,9 +177,10 @@ async fn rounds<S: Datastore>(
     };
     let mut skip = BTreeSet::new();
     let mut races = 0;
+    let started = tokio::time::Instant::now();
     for round in 0..GROUP_ROUNDS {
         settle(store, &pool, slots, &mut skip).await?;
-        if !slots.iter().any(Slot::unsettled) {
+        if !slots.iter().any(Slot::unsettled) || started.elapsed() > GROUP_BUDGET {
             return Ok(pool);
         }
         if claims::claim_open(engine, &pool, slots, &mut skip, races).await? {

@@ -23,8 +23,8 @@ use serde_json::{Value, json};
 
 use super::{
     CLAIMED_LABEL, Datastore, IP_ANNOTATION, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
-    RELEASING_LABEL, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write,
-    claim_bucket, now_secs, recent_buckets,
+    RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn,
+    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, IPPoolSpec, NodeSlicePool,
@@ -370,6 +370,17 @@ impl Datastore for KubeStore {
             "metadata": {"uid": uid, "resourceVersion": resource_version, "labels": {RELEASING_LABEL: null}},
             "spec": spec,
         });
+        Ok(self.patch_reservation(name, &body).await?.0)
+    }
+
+    async fn renew_claim(&self, name: &str, uid: &str, resource_version: &str) -> Result<Write> {
+        let now = now_secs();
+        let body = json!({"metadata": {
+            "uid": uid,
+            "resourceVersion": resource_version,
+            "labels": {CLAIMED_LABEL: claim_bucket(now).to_string()},
+            "annotations": {RENEWED_ANNOTATION: now.to_string()},
+        }});
         Ok(self.patch_reservation(name, &body).await?.0)
     }
 

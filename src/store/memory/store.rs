@@ -286,6 +286,24 @@ impl Datastore for MemoryStore {
         }
     }
 
+    async fn renew_claim(&self, name: &str, uid: &str, resource_version: &str) -> Result<Write> {
+        self.pause().await;
+        self.check("patch", name)?;
+        self.counted("renew_claim");
+        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let mut s = self.state.lock().unwrap();
+        match s.reservations.get_mut(name) {
+            None => Ok(Write::Missing),
+            Some(r) if r.uid != uid || r.resource_version != resource_version => {
+                Ok(Write::Conflict)
+            }
+            Some(r) => {
+                r.resource_version = rv;
+                Ok(Write::Done)
+            }
+        }
+    }
+
     async fn take_over_reservation(
         &self,
         name: &str,
