@@ -57,6 +57,7 @@ fn context_with(
         pool_namespace: "kube-system".into(),
         audit_interval: Duration::from_secs(300),
         stale_grace: Duration::from_secs(60),
+        orphan_claim_age: whereabouts::controller::audit::ORPHAN_CLAIM_AGE,
         deleted_pod_grace: Duration::from_secs(60),
         dry_run,
         leader_election: false,

@@ -55,6 +55,10 @@ HANG_S = 150  # a plugin call running longer than this is a hang (a violation)
 DEL_RETRY_S = 180  # a DEL not done by then is stuck (a violation)
 CONVERGE_S = 120  # pools must hold only live attachments within this time after a round
 AUDIT_INTERVAL, STALE_GRACE = "2s", "5s"  # the operator's, shortened for the test
+# The youngest orphan claim the operator sweeps: shortened too, so that a killed plugin's claim is
+# gone within CONVERGE_S, but still above the longest an ADD of this tier holds a claim unrecorded
+# (API pauses of at most 6 s, restarts of seconds); the default is 3 minutes.
+ORPHAN_CLAIM_AGE = "45s"
 
 
 LOG_FILE = []  # the run's chaos.log, once its folder exists
@@ -173,7 +177,8 @@ class Fleet:
         self.operators[ident] = subprocess.Popen(
             [str(self.args.operator), "run", "--admin-addr=127.0.0.1:0",
              f"--pool-namespace={self.ns}", "--leader-election=true",
-             f"--audit-interval={AUDIT_INTERVAL}", f"--stale-grace={STALE_GRACE}"],
+             f"--audit-interval={AUDIT_INTERVAL}", f"--stale-grace={STALE_GRACE}",
+             f"--orphan-claim-age={ORPHAN_CLAIM_AGE}"],
             stdout=out, stderr=out,
             env={**os.environ, "KUBECONFIG": self.args.kubeconfig, "POD_NAME": ident,
                  "RUST_LOG": "info"})

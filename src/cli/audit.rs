@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::list_all;
 use crate::alloc::{Engine, Target};
-use crate::controller::audit::{LivePods, expected_reservations};
+use crate::controller::audit::{LivePods, expected_reservations, last_written};
 use crate::controller::findings::{EntryAt, Finding, ListedReservation, Snapshot, audit};
 use crate::controller::pools::{PoolView, SliceIndex};
 use crate::crd::{
@@ -47,9 +47,9 @@ pub struct AuditArgs {
     pub pool_namespace: String,
     #[arg(long, short, value_enum, default_value = "text")]
     pub output: Output,
-    /// Reservations younger than this may be claims whose entry is being written: reported, not
-    /// repaired (`30s`, `5m`).
-    #[arg(long, default_value = "60s", value_parser = crate::cli::run::parse_duration)]
+    /// Reservations written more recently than this may be claims whose entry is being written:
+    /// reported, not repaired (`30s`, `5m`; the operator's `--orphan-claim-age` default).
+    #[arg(long, default_value = "3m", value_parser = crate::cli::run::parse_duration)]
     pub min_age: std::time::Duration,
 }
 
@@ -150,10 +150,8 @@ async fn snapshot(args: &AuditArgs) -> anyhow::Result<Snapshot> {
             name: r.metadata.name.clone().unwrap_or_default(),
             uid: r.metadata.uid.clone().unwrap_or_default(),
             resource_version: r.metadata.resource_version.clone().unwrap_or_default(),
-            age: r
-                .metadata
-                .creation_timestamp
-                .map(|t| now.saturating_sub(t.0.as_second()).max(0) as u64),
+            // As the operator's sweep judges it: by the claim's last write.
+            age: last_written(&r).map(|t| now.saturating_sub(t).max(0) as u64),
             spec: r.spec,
         })
         .collect();

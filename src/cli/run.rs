@@ -117,6 +117,11 @@ pub struct RunArgs {
     /// How long an allocation must look stale before the pool audit frees it.
     #[arg(long, env = "WHEREABOUTS_STALE_GRACE", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
     pub stale_grace: Duration,
+    /// The youngest claim (reservation without a pool entry, by its last write) the audit sweeps.
+    /// An ADD at work holds its claim unrecorded for up to 120 s; the default adds a minute for
+    /// clocks. Lower it only in tests.
+    #[arg(long, env = "WHEREABOUTS_ORPHAN_CLAIM_AGE", default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
+    pub orphan_claim_age: Duration,
     /// How long the kubelet of a Ready node may take to DEL a deleted pod's sandboxes before the
     /// operator frees its addresses; a force-deleted pod's containers may still run meanwhile.
     /// Longer than the node lifecycle controller's grace (40-50 s), so that a dead kubelet's node
@@ -338,6 +343,7 @@ impl Components {
             pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
             audit_interval: args.audit_interval,
             stale_grace: args.stale_grace,
+            orphan_claim_age: args.orphan_claim_age,
             deleted_pod_grace: args.deleted_pod_grace,
             dry_run: args.dry_run,
             leader_election: args.leader_election,

@@ -5,7 +5,7 @@
 //! pool. So a stale entry is released only when it was stale on two audits at least a grace period
 //! apart, and only after the live pool and pod are read again right before the write.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -17,13 +17,17 @@ use kube::{Resource, ResourceExt};
 use super::Context;
 use super::pools::PoolView;
 use crate::alloc::Engine;
-use crate::crd::{IPAllocation, IPPool};
-use crate::ipam::naming::reservation_name;
+use crate::crd::IPAllocation;
 use crate::ownership::{
     NETWORK_STATUS_ANNOTATION, addresses_by_interface, is_stale, is_superseded,
     parse_network_status, runtime_uid,
 };
-use crate::store::{Datastore, StoreError, TURN_LABEL, TURN_SECONDS, Write};
+use crate::store::{Datastore, StoreError, TURN_LABEL, TURN_SECONDS};
+
+mod claims;
+pub use claims::{
+    ORPHAN_CLAIM_AGE, Restored, Unguarded, expected_reservations, last_written, unclaimed,
+};
 
 /// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
 /// for the grace period. Suspects that stop being stale are forgotten.
@@ -69,8 +73,13 @@ pub type EntryKey = (String, u128, String);
 pub struct Report {
     /// Stale entries per pool (released ones included).
     pub stale: HashMap<String, usize>,
-    /// Reservations without a pool entry, plus pool entries without their reservation.
+    /// Reservations without a pool entry (old enough to be swept), plus pool entries of guarded
+    /// networks without their claim.
     pub orphans: usize,
+    /// Missing claims of pool entries that were re-created.
+    pub restored_claims: usize,
+    /// Pool entries whose address another pod's claim holds.
+    pub foreign_claims: usize,
     pub released: usize,
     pub released_orphans: usize,
     /// Pools' writer turns removed because their plugin was killed while holding them.
@@ -160,33 +169,13 @@ pub fn stale_entries(pools: &[PoolView], live: &LivePods) -> Vec<EntryKey> {
         .collect()
 }
 
-/// Reservation names every pool entry implies.
-///
-/// A node slice's pool (`[<network>-]<node>-<slice>`) that no NodeSlicePool describes (deleted
-/// by hand, or not cached yet) reads as a pool of network `<network>-<node>`: so that its live
-/// reservations are never taken for orphans, every shorter `-`-separated prefix of a pool's
-/// network (and the unnamed network) counts as expected too. That only spares some true orphans.
-pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
-    let mut expected = BTreeSet::new();
-    for p in pools {
-        let network = p.network_name.as_deref().unwrap_or_default();
-        let prefixes: Vec<Option<&str>> = network
-            .match_indices('-')
-            .map(|(i, _)| Some(&network[..i]))
-            .chain([None, p.network_name.as_deref()])
-            .collect();
-        for ip in p.entries.keys().filter_map(|o| p.ip(*o)) {
-            expected.extend(prefixes.iter().map(|n| reservation_name(*n, ip)));
-        }
-    }
-    expected
-}
-
 pub struct Auditor {
     entries: Suspects<EntryKey>,
     /// Reservations by (name, uid, resourceVersion): one that changes is observed afresh, and
     /// the delete is conditional on the version seen.
     orphans: Suspects<(String, String, String)>,
+    /// Pool entries of guarded networks without their claim.
+    unclaimed: Suspects<EntryKey>,
     /// Writer-turn Leases by (name, uid, resourceVersion): one seen unchanged on two audits at
     /// least the grace period apart was abandoned by a killed plugin.
     turns: Suspects<(String, String, String)>,
@@ -197,13 +186,14 @@ impl Auditor {
         Auditor {
             entries: Suspects::default(),
             orphans: Suspects::default(),
+            unclaimed: Suspects::default(),
             turns: Suspects::default(),
         }
     }
 
     /// True while stale suspects wait for their second observation.
     pub fn has_suspects(&self) -> bool {
-        !self.entries.is_empty() || !self.orphans.is_empty()
+        !self.entries.is_empty() || !self.orphans.is_empty() || !self.unclaimed.is_empty()
     }
 
     pub async fn run_once(&mut self, ctx: &Context) -> Result<Report, StoreError> {
@@ -225,45 +215,13 @@ impl Auditor {
             }
             self.entries.forget(&key);
         }
-        let expected = expected_reservations(&pools);
-        let reservations: Vec<(String, String, String)> = ctx
-            .caches
-            .reservations
-            .state()
-            .iter()
-            .map(|r| {
-                let rv = r.resource_version().unwrap_or_default();
-                (r.name_any(), r.uid().unwrap_or_default(), rv)
-            })
-            .collect();
-        // A pool that cannot be read (its name or range does not parse) implies reservations
-        // nobody can name: none is taken for an orphan while one is cached.
-        if unreadable > 0 {
-            tracing::warn!(
-                unreadable,
-                "pools that cannot be read: no reservation is swept as an orphan until they are fixed or removed"
-            );
-        }
-        let orphan_claims: Vec<_> = reservations
-            .iter()
-            .filter(|(n, _, _)| unreadable == 0 && !expected.contains(n))
-            .cloned()
-            .collect();
-        let names: HashSet<&String> = reservations.iter().map(|(n, _, _)| n).collect();
-        let unclaimed = expected.iter().filter(|n| !names.contains(n)).count();
-        report.orphans = orphan_claims.len() + unclaimed;
-        if unclaimed > 0 {
-            tracing::warn!(
-                unclaimed,
-                "pool entries without their reservation (written by a plugin with enable_overlapping_ranges false, or upstream mid-write)"
-            );
-        }
-        let due = self
-            .orphans
-            .observe(now, orphan_claims, ctx.opts.stale_grace);
+        let (orphans, due, unclaimed) = self.claims(ctx, &pools, unreadable, now);
+        report.orphans = orphans + unclaimed.len();
         if !due.is_empty() {
             report.released_orphans = self.release_orphans(ctx, due).await?;
         }
+        self.restore_claims(ctx, &pools, unclaimed, now, &mut report)
+            .await?;
         Ok(report)
     }
 
@@ -376,53 +334,6 @@ impl Auditor {
         }
         ctx.metrics.record_releases("audit", released.len());
         Ok(!released.is_empty())
-    }
-
-    /// Deletes orphan reservations after a fresh LIST of pools confirms no entry implies them.
-    async fn release_orphans(
-        &mut self,
-        ctx: &Context,
-        due: Vec<(String, String, String)>,
-    ) -> Result<usize, StoreError> {
-        let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
-        let pools = api
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| StoreError::Api {
-                op: "list",
-                object: "ippools".into(),
-                code: 0,
-                message: e.to_string(),
-            })?;
-        let slices = ctx.slice_index();
-        let views: Vec<_> = pools
-            .items
-            .iter()
-            .filter_map(|p| PoolView::from_pool_in(p, &slices))
-            .collect();
-        if views.len() < pools.items.len() {
-            return Ok(0);
-        }
-        let expected = expected_reservations(&views);
-        let mut released = 0;
-        for (name, uid, rv) in due {
-            self.orphans
-                .forget(&(name.clone(), uid.clone(), rv.clone()));
-            if expected.contains(&name) {
-                continue;
-            }
-            if ctx.opts.dry_run {
-                tracing::info!(reservation = %name, "dry run: would delete an orphan reservation");
-                continue;
-            }
-            // At the version seen twice: one re-made or taken over since is not this orphan.
-            if ctx.store.delete_reservation(&name, &uid, Some(&rv)).await? == Write::Done {
-                tracing::info!(reservation = %name, "deleted an orphan reservation");
-                released += 1;
-            }
-        }
-        ctx.metrics.record_releases("orphan", released);
-        Ok(released)
     }
 }
 

@@ -11,7 +11,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use super::audit::{LivePods, Stale, expected_reservations};
+use super::audit::{LivePods, Stale, Unguarded, expected_reservations, unclaimed};
 use super::pools::{PoolView, SliceIndex};
 use crate::crd::size::{ALERT_SHARE, POOL_OBJECT_BUDGET};
 use crate::crd::{
@@ -313,33 +313,14 @@ fn reservation_findings(
         .collect();
     let names: std::collections::HashSet<&str> =
         snap.reservations.iter().map(|r| r.name.as_str()).collect();
-    let unprotected = unprotected_ranges(&snap.nads);
-    for (v, _) in views {
-        // A NAD with enable_overlapping_ranges false writes no reservations, by design.
-        if unprotected.contains(&(v.network_name.clone(), v.range.cidr())) {
-            continue;
-        }
-        for (offset, entry) in &v.entries {
-            let Some(ip) = v.ip(*offset) else { continue };
-            let reservation = reservation_name(v.network_name.as_deref(), ip);
-            if !names.contains(reservation.as_str()) {
-                out.push(Finding::MissingReservation {
-                    at: at(v, *offset, entry),
-                    reservation,
-                });
-            }
-        }
+    let unguarded = Unguarded::of(&snap.nads);
+    for (v, offset, entry, reservation) in unclaimed(&pools, &names, &unguarded) {
+        out.push(Finding::MissingReservation {
+            at: at(v, offset, entry),
+            reservation,
+        });
     }
     out
-}
-
-/// The (network, range) of every NAD range with `enable_overlapping_ranges` false.
-fn unprotected_ranges(nads: &[NetworkAttachmentDefinition]) -> Vec<(Option<String>, ipnet::IpNet)> {
-    nads.iter()
-        .flat_map(|nad| crate::nad_check::check_spec_config(&nad.spec.config).ranges)
-        .filter(|r| !r.overlapping)
-        .map(|r| (r.network_name, r.range.cidr()))
-        .collect()
 }
 
 /// One address of one network held by different pods in different pools.

@@ -45,6 +45,9 @@ pub struct Options {
     pub pool_namespace: String,
     pub audit_interval: Duration,
     pub stale_grace: Duration,
+    /// The youngest claim (by its last write) the audit sweeps as an orphan
+    /// ([`audit::ORPHAN_CLAIM_AGE`] by default).
+    pub orphan_claim_age: Duration,
     /// How long the kubelet of a Ready node may take to DEL a deleted pod's sandboxes before the
     /// operator frees its addresses (see [`deferral`]).
     pub deleted_pod_grace: Duration,

@@ -133,6 +133,20 @@ pub struct OverlappingRangeIPReservationSpec {
     pub statefulset: String,
 }
 
+impl From<&IPAllocation> for OverlappingRangeIPReservationSpec {
+    /// The claim that backs `entry`: the audit re-creates it when it went missing.
+    fn from(entry: &IPAllocation) -> Self {
+        OverlappingRangeIPReservationSpec {
+            containerid: entry.id.clone(),
+            podref: entry.podref.clone(),
+            ifname: entry.ifname.clone(),
+            poduid: entry.poduid.clone(),
+            ipamclaimref: entry.ipamclaimref.clone(),
+            statefulset: entry.statefulset.clone(),
+        }
+    }
+}
+
 impl OverlappingRangeIPReservationSpec {
     /// Whether this reservation is the claim of `entry`: the same pod, and the same container
     /// when both name one (old upstream reservations carry the pod alone). A release deletes only

@@ -4,6 +4,7 @@
 mod agent;
 mod audit;
 mod certs;
+mod claims;
 mod cni;
 mod connection;
 mod harness;

@@ -142,6 +142,28 @@ fn install(node: &Node) {
         .output()
         .expect("run e2e/install.sh");
     assert!(out.status.success(), "e2e/install.sh failed");
+    // The installed operator audits every 5 minutes and spares orphan claims for 3: the tests
+    // wait a minute or two for the audit's work, so it runs at a pace they can see. The claim
+    // age stays above the longest an ADD holds a claim on this node (seconds).
+    let kubectl_ok = |args: &[&str]| kubectl_checked(&node.kubeconfig, args, None);
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "set",
+        "env",
+        "deployment/whereabouts-operator",
+        "WHEREABOUTS_AUDIT_INTERVAL=10s",
+        "WHEREABOUTS_STALE_GRACE=10s",
+        "WHEREABOUTS_ORPHAN_CLAIM_AGE=40s",
+    ]);
+    kubectl_ok(&[
+        "-n",
+        SYSTEM_NS,
+        "rollout",
+        "status",
+        "deployment/whereabouts-operator",
+        "--timeout=180s",
+    ]);
 }
 
 /// The node agent's log, every line since its container started.

@@ -1,4 +1,7 @@
 use super::*;
+use std::collections::BTreeSet;
+
+use crate::crd::IPPool;
 
 #[test]
 fn suspects_are_due_only_after_the_grace_period() {

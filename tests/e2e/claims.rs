@@ -1,0 +1,136 @@
+//! Issue 25: the audit and claims (reservations), with the real operator and API server. An
+//! orphan claim is swept by the age of its last write, never while an ADD may still record it;
+//! a pool entry whose claim was deleted (upstream's DEL deletes by name) gets it back.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::harness::{Ns, OperatorProcess, eventually};
+
+/// A fast audit; claims younger than `age` are spared.
+fn operator(ns: &Ns, age: &str) -> OperatorProcess {
+    let mut op = OperatorProcess::start(
+        ns.dir.path(),
+        "op",
+        &[
+            format!("--pool-namespace={}", ns.name),
+            "--leader-election=false".into(),
+            "--audit-interval=1s".into(),
+            "--stale-grace=1s".into(),
+            format!("--orphan-claim-age={age}"),
+        ],
+    );
+    op.wait_ready();
+    op
+}
+
+fn apply(ns: &Ns, v: serde_json::Value) {
+    ns.kubectl_ok_stdin(&["apply", "-f", "-"], &v.to_string());
+}
+
+fn orphan_claim(ns: &Ns, name: &str) {
+    apply(
+        ns,
+        json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+        "metadata": {"name": name, "namespace": ns.name},
+        "spec": {"podref": format!("{}/slow", ns.name), "containerid": "c-slow", "ifname": "net1"}}),
+    );
+}
+
+#[test]
+fn an_orphan_claim_is_swept_only_once_its_last_write_is_old_enough() {
+    let ns = Ns::new("claims-age");
+    let op = operator(&ns, "8s");
+    let created = Instant::now();
+    orphan_claim(&ns, "10.78.0.5");
+    // Audits every second, each claim seen twice a second apart: only its age holds it back.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(
+        ns.reservations().contains_key("10.78.0.5"),
+        "swept {:?} after it was written\n{}",
+        created.elapsed(),
+        op.log()
+    );
+    // Written again (an ADD's retry renewing it, a take-over): as young as that write.
+    let renewed = Instant::now();
+    ns.kubectl_ok(&[
+        "annotate",
+        "overlappingrangeipreservation",
+        "10.78.0.5",
+        "whereabouts.cni.cncf.io/renewed=1",
+    ]);
+    std::thread::sleep(Duration::from_secs(5));
+    let present = ns.reservations().contains_key("10.78.0.5");
+    let since = renewed.elapsed();
+    assert!(
+        present || since >= Duration::from_secs(8),
+        "swept {since:?} after it was renewed\n{}",
+        op.log()
+    );
+    assert!(
+        eventually(30, || ns.reservations().is_empty()),
+        "the old orphan stayed\n{}",
+        op.log()
+    );
+    assert!(renewed.elapsed() >= Duration::from_secs(8), "{}", op.log());
+}
+
+/// The pool entry of a plugin ADD on a NAD's network, and its claim.
+fn add(ns: &Ns, range: &str, overlapping: bool, pod: &str) -> String {
+    let uid = ns.create_pod(pod, &Default::default());
+    let ipam = json!({"range": range, "enable_overlapping_ranges": overlapping});
+    let out = ns.cni(
+        "ADD",
+        &ns.netconf("1.0.0", ipam),
+        &format!("c-{pod}"),
+        "net1",
+        pod,
+        &uid,
+    );
+    let addr = out.addresses();
+    assert_eq!(addr.len(), 1, "{out:?}");
+    addr[0].split('/').next().unwrap().to_owned()
+}
+
+fn nad(ns: &Ns, name: &str, range: &str, overlapping: bool) {
+    let config = json!({"cniVersion": "1.0.0", "name": name, "type": "macvlan", "master": "eth0",
+        "ipam": {"type": "whereabouts", "range": range, "enable_overlapping_ranges": overlapping}});
+    apply(
+        ns,
+        json!({"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+        "metadata": {"name": name, "namespace": ns.name}, "spec": {"config": config.to_string()}}),
+    );
+}
+
+#[test]
+fn a_pool_entry_whose_claim_was_deleted_gets_it_back() {
+    let ns = Ns::new("claims-restore");
+    nad(&ns, "guarded", "10.79.0.0/24", true);
+    nad(&ns, "unguarded", "10.79.1.0/24", false);
+    let guarded = add(&ns, "10.79.0.0/24", true, "a");
+    let unguarded = add(&ns, "10.79.1.0/24", false, "b");
+    let claims = ns.reservations();
+    assert!(claims.contains_key(&guarded), "{claims:?}");
+    assert!(!claims.contains_key(&unguarded), "{claims:?}");
+    // What upstream's DEL of another sandbox does: delete the reservation by name.
+    ns.kubectl_ok(&["delete", "overlappingrangeipreservation", &guarded]);
+    let op = operator(&ns, "3m");
+    assert!(
+        eventually(30, || ns.reservations().contains_key(&guarded)),
+        "the claim was not re-created\n{}",
+        op.log()
+    );
+    let claim = &ns.reservations()[&guarded];
+    assert_eq!(claim["podref"], format!("{}/a", ns.name), "{claim}");
+    assert_eq!(claim["containerid"], "c-a", "{claim}");
+    let metrics = op.get("/metrics").unwrap_or_default();
+    assert!(
+        metrics.contains("whereabouts_claims_restored_total 1"),
+        "{metrics}"
+    );
+    // A network without reservations gets none: its entries are not claims' business.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(!ns.reservations().contains_key(&unguarded), "{}", op.log());
+    assert_eq!(ns.allocations("10.79.1.0-24").len(), 1);
+}
