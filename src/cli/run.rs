@@ -339,6 +339,13 @@ impl Components {
             .check("leader-election", move || {
                 flag(&h2.election_running, "not running")
             });
+        if args.orphan_claim_age < crate::alloc::CLAIM_LIFETIME {
+            tracing::warn!(
+                orphan_claim_age = ?args.orphan_claim_age,
+                claim_lifetime = ?crate::alloc::CLAIM_LIFETIME,
+                "--orphan-claim-age is below the time an ADD may hold its claim unrecorded: the audit may delete the claim of an ADD at work (for tests only)"
+            );
+        }
         let opts = crate::controller::Options {
             pool_namespace: args.pool_namespace.clone().unwrap_or(namespace),
             audit_interval: args.audit_interval,
