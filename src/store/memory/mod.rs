@@ -31,7 +31,15 @@ pub struct MemoryStore {
     held: watch::Sender<bool>,
     /// Calls waiting at the hold.
     waiting: AtomicUsize,
+    /// When set, the reads the Kubernetes store serves from the API server's watch cache
+    /// (`get_pool_cached`, `claims_of`, `releases_of`) answer from a state a few calls old, as a
+    /// lagging cache does: `history` holds the states the last calls started from.
+    lagging: std::sync::atomic::AtomicBool,
+    history: Mutex<std::collections::VecDeque<State>>,
 }
+
+/// How many calls back a lagging cached read may answer from.
+const LAG: usize = 4;
 
 impl Default for MemoryStore {
     fn default() -> Self {
@@ -44,6 +52,8 @@ impl Default for MemoryStore {
             interleave: Default::default(),
             held: watch::Sender::new(false),
             waiting: AtomicUsize::new(0),
+            lagging: Default::default(),
+            history: Mutex::default(),
         }
     }
 }
@@ -188,6 +198,22 @@ impl MemoryStore {
         self
     }
 
+    /// Makes the cached reads lag (see the field): the cluster's behaviour, where a LIST or GET
+    /// served from the watch cache may miss the last writes.
+    pub fn lagging(self) -> Self {
+        self.lagging.store(true, Ordering::Relaxed);
+        self
+    }
+
+    /// The state a cached read answers from: the current one, or, lagging, one of the last few.
+    fn cached(&self) -> State {
+        let history = self.history.lock().unwrap();
+        match fastrand::usize(..=history.len()) {
+            i if i < history.len() => history[i].clone(),
+            _ => self.state.lock().unwrap().clone(),
+        }
+    }
+
     /// Holds (`true`) or lets go of (`false`) every call that pauses (reads and writes).
     pub fn hold(&self, on: bool) {
         self.held.send_replace(on);
@@ -204,6 +230,14 @@ impl MemoryStore {
             self.waiting.fetch_add(1, Ordering::SeqCst);
             let _ = held.wait_for(|on| !*on).await;
             self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+        if self.lagging.load(Ordering::Relaxed) {
+            let now = self.state.lock().unwrap().clone();
+            let mut history = self.history.lock().unwrap();
+            if history.len() == LAG {
+                history.pop_front();
+            }
+            history.push_back(now);
         }
         if self.interleave.load(Ordering::Relaxed) {
             tokio::task::yield_now().await;

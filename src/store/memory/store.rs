@@ -62,7 +62,10 @@ impl Datastore for MemoryStore {
     }
 
     async fn get_pool_cached(&self, name: &str) -> Result<Option<Pool>> {
-        self.get_pool(name).await
+        self.pause().await;
+        self.check("get", name)?;
+        self.counted("get_pool");
+        Ok(self.cached().pool(name))
     }
 
     async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
@@ -225,7 +228,7 @@ impl Datastore for MemoryStore {
         self.pause().await;
         self.check("list", pool)?;
         self.counted("claims_of");
-        let s = self.state.lock().unwrap();
+        let s = self.cached();
         Ok(s.claims
             .iter()
             .filter(|(_, (p, _))| p == pool)
@@ -251,7 +254,7 @@ impl Datastore for MemoryStore {
         self.pause().await;
         self.check("list", pool)?;
         self.counted("releases_of");
-        let s = self.state.lock().unwrap();
+        let s = self.cached();
         let recent = crate::store::recent_buckets(crate::store::now_secs());
         Ok(s.releasing
             .iter()
