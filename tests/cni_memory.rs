@@ -1199,7 +1199,7 @@ async fn churn_with_a_lagging_cache_never_duplicates_or_leaks() {
         let (store, batcher, ipam) = (store.clone(), batcher.clone(), ipam.clone());
         tokio::spawn(async move {
             let req = request(command, ipam, &format!("c{i}"), &format!("p{i}")).unwrap();
-            let out = if i % 3 == 0 {
+            let out = if i.is_multiple_of(3) {
                 handle(&*store, &req).await
             } else {
                 handle_with(&*store, &*batcher, &req).await
