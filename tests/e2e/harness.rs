@@ -307,6 +307,14 @@ pub fn whereabouts_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_whereabouts"))
 }
 
+/// The operator binary the tests run: this build's, or `WHEREABOUTS_E2E_OPERATOR`, so that a new
+/// regression test can be run against a build of the code before its fix (it must fail there).
+pub fn operator_bin() -> PathBuf {
+    std::env::var_os("WHEREABOUTS_E2E_OPERATOR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_whereabouts-operator")))
+}
+
 pub struct CniCall<'a> {
     pub command: &'a str,
     pub conf: &'a Value,
@@ -480,7 +488,7 @@ impl OperatorProcess {
     ) -> OperatorProcess {
         let admin_port = admin.rsplit(':').next().unwrap().parse().unwrap();
         let log = dir.join(format!("{name}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_whereabouts-operator"))
+        let child = Command::new(operator_bin())
             .arg("run")
             .arg(format!("--admin-addr={admin}"))
             .args(extra)
