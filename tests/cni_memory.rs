@@ -1238,3 +1238,47 @@ async fn churn_with_a_lagging_cache_never_duplicates_or_leaks() {
         "every entry claimed, no claim without an entry"
     );
 }
+
+/// An ADD cut off between its claim and its record (its plugin or the agent killed) leaves a
+/// claim and no entry; the runtime then DELs that sandbox and retries with a new one. The DEL,
+/// by the plugin or through an agent's group, withdraws that claim: nothing is left for the
+/// audit to sweep, and another pod's claim is never touched. (Had another writer recorded the
+/// claim meanwhile, as writers record the pending claims of others, the DEL releases that entry.)
+#[tokio::test]
+async fn a_del_withdraws_the_claim_its_cut_off_add_left() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let spec = |c: &str, p: &str| whereabouts::crd::OverlappingRangeIPReservationSpec {
+        containerid: c.into(),
+        podref: format!("ns/{p}"),
+        ifname: "net1".into(),
+        ..Default::default()
+    };
+    for (name, c, p) in [
+        ("10.0.0.7", "c0", "p0"),
+        ("10.0.0.8", "c1", "p1"),
+        ("10.0.0.9", "x", "other"),
+    ] {
+        let ip: std::net::IpAddr = name.parse().unwrap();
+        store
+            .create_reservation(name, &spec(c, p), "10.0.0.0-24", ip)
+            .await
+            .unwrap();
+    }
+    store
+        .create_pool("10.0.0.0-24", "10.0.0.0/24")
+        .await
+        .unwrap();
+    run(&store, Command::Del, &ipam, "c0", "p0").await.unwrap();
+    let range = range_of(ipam.clone());
+    let released = whereabouts::alloc::group::release_group(&store, &[job(&range, 1)]).await;
+    assert!(
+        released[0].as_ref().unwrap().is_empty(),
+        "nothing was recorded: {released:?}"
+    );
+    assert_eq!(
+        store.reservation_names(),
+        ["10.0.0.9"],
+        "the other pod's claim is kept"
+    );
+}

@@ -141,6 +141,24 @@ impl<S: Datastore> Engine<'_, S> {
             .filter(|r| r.spec.is_claim_of(entry)))
     }
 
+    /// Deletes the claims of `who`'s container and interface that the pool does not record: an
+    /// ADD of it claimed and was cut off before it recorded (its plugin or the agent killed). A
+    /// DEL is the container's last word (its retry is a new sandbox, with a new container id), so
+    /// nothing of it is left for the audit's sweep. Only recent claims are listed (see
+    /// [`crate::store::CLAIMED_LABEL`]): an older one is the sweep's.
+    pub async fn withdraw_claims(&self, pool: &Pool, who: &Attachment) -> Result<(), StoreError> {
+        if !self.target.overlapping {
+            return Ok(());
+        }
+        let pending = self.pending_claims(pool, None).await?;
+        for claim in pending.iter().filter(|p| p.is_of(who)) {
+            if let Some(ip) = self.target.ip(claim.offset) {
+                self.unclaim(ip, &claim.uid).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// This pool's claims that the pool does not hold yet (other than `own`).
     pub async fn pending_claims(
         &self,

@@ -39,7 +39,12 @@ impl<S: Datastore> Engine<'_, S> {
         };
         let mine: Vec<(u128, IPAllocation)> =
             who.entries_in(&pool).map(|(o, e)| (o, e.clone())).collect();
-        if mine.is_empty() || !self.target.overlapping {
+        if mine.is_empty() {
+            // Nothing recorded: an ADD of this container may have claimed and been cut off.
+            self.withdraw_claims(&pool, who).await?;
+            return Ok(Vec::new());
+        }
+        if !self.target.overlapping {
             return self.release_entries(&mine).await;
         }
         let held = self.announce(&mine).await?;

@@ -237,8 +237,9 @@ fn without_an_agent_the_plugin_runs_the_request_itself() {
 }
 
 /// Killing the agent while ADDs are in its hands: the plugins cut off report a retryable error,
-/// and their retries (the runtime's, here run after the agent is gone) finish with every pod
-/// holding exactly one address, none twice, no claim left over. Two kills: one at a random point
+/// and their retries (the runtime's: DEL, then a new sandbox's ADD, here run after the agent is
+/// gone) finish with every pod holding exactly one address, none twice, no claim left over: the
+/// DEL withdraws a claim its cut-off ADD made and did not record. Two kills: one at a random point
 /// of a burst of 100 (mid-group: claims made, pool not yet written, or written and not answered),
 /// and one of a stopped agent holding 20 requests it has not started, so that the test always
 /// cuts off some.
@@ -291,9 +292,13 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
         failed.len() >= 20,
         "the stopped agent's 20 ADDs failed: {failed:?}"
     );
-    // The runtime retries every failed ADD (the agent is gone: the plugin runs them itself).
+    // The runtime retries every failed ADD as runtimes do: DEL of the failed sandbox, then a new
+    // sandbox (a new container id) and its ADD. The agent is gone: the plugin runs them itself.
     for i in &failed {
-        let r = ns.cni_pod("ADD", &conf, *i);
+        let (pod, uid) = (format!("pod{i}"), format!("uid-pod{i}"));
+        let r = ns.cni("DEL", &conf, &format!("c{i}"), "net1", &pod, &uid);
+        assert!(r.ok, "{:?}", r);
+        let r = ns.cni("ADD", &conf, &format!("c{i}-retry"), "net1", &pod, &uid);
         assert!(r.ok, "{:?}", r);
     }
     let pool = ns.allocations("10.42.0.0-24");

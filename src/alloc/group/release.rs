@@ -6,9 +6,30 @@ use std::net::IpAddr;
 use futures::StreamExt;
 
 use super::{CLAIMS_IN_FLIGHT, Job};
-use crate::alloc::remove_entries;
+use crate::alloc::{Engine, remove_entries};
 use crate::crd::IPAllocation;
-use crate::store::{Datastore, StoreError};
+use crate::store::{Datastore, Pool, StoreError};
+
+/// Deletes the unrecorded claims of `jobs` (see [`Engine::withdraw_claims`]) with one claims list.
+async fn withdraw_claims<S: Datastore>(
+    store: &S,
+    pool: &Pool,
+    jobs: &[&Job],
+) -> Result<(), StoreError> {
+    let target = &jobs[0].target;
+    if !target.overlapping {
+        return Ok(());
+    }
+    let engine = Engine::new(store, target);
+    for claim in engine.pending_claims(pool, None).await? {
+        if jobs.iter().any(|j| claim.is_of(&j.who))
+            && let Some(ip) = target.ip(claim.offset)
+        {
+            engine.unclaim(ip, &claim.uid).await?;
+        }
+    }
+    Ok(())
+}
 
 /// A reservation to delete once its entry is gone: (name, uid, resourceVersion).
 type Held = (String, String, String);
@@ -44,6 +65,16 @@ async fn release_all<S: Datastore>(
     let mut mine: Vec<(usize, u128, IPAllocation)> = Vec::new();
     for (j, job) in jobs.iter().enumerate() {
         mine.extend(job.who.entries_in(&pool).map(|(o, e)| (j, o, e.clone())));
+    }
+    // The jobs with nothing recorded: an ADD of theirs may have claimed and been cut off.
+    let unrecorded: Vec<&Job> = jobs
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| !mine.iter().any(|(m, _, _)| m == j))
+        .map(|(_, job)| job)
+        .collect();
+    if !unrecorded.is_empty() {
+        withdraw_claims(store, &pool, &unrecorded).await?;
     }
     if mine.is_empty() {
         return Ok(jobs.iter().map(|_| Vec::new()).collect());
