@@ -803,6 +803,71 @@ def cpu_snapshot(mode):
     return snap
 
 
+class ReadyzProbe:
+    """The control plane's responsiveness while a mode runs: GET /readyz every 0.5 s on one kept
+    connection, as the admin (exempt from API Priority and Fairness: what the server itself
+    answers, not what a queued client sees). `stats()` gives percentiles in ms and the failures;
+    `baseline()` measures a few probes on a quiet server first."""
+
+    def __init__(self, kube, workdir):
+        import base64
+        import http.client
+        import ssl
+        self._http = http.client
+        cfg = json.loads(kube.run("config", "view", "--raw", "-o", "json").stdout)
+        cluster, user = cfg["clusters"][0]["cluster"], cfg["users"][0]["user"]
+        d = Path(workdir)
+        files = {}
+        for key in ("certificate-authority-data", "client-certificate-data", "client-key-data"):
+            files[key] = d / f"readyz-{key}.pem"
+            files[key].write_bytes(base64.b64decode(cluster.get(key) or user[key]))
+        self.ctx = ssl.create_default_context(cafile=str(files["certificate-authority-data"]))
+        self.ctx.load_cert_chain(str(files["client-certificate-data"]),
+                                 str(files["client-key-data"]))
+        hostport = cluster["server"].removeprefix("https://")
+        self.host, self.port = hostport.rsplit(":", 1)
+        self.samples, self.failures, self.conn = [], 0, None
+        self.done = threading.Event()
+
+    def once(self):
+        started = time.monotonic()
+        try:
+            if self.conn is None:
+                self.conn = self._http.HTTPSConnection(self.host, int(self.port), context=self.ctx,
+                                                       timeout=30)
+            self.conn.request("GET", "/readyz")
+            r = self.conn.getresponse()
+            r.read()
+            ok = r.status == 200
+        except OSError:
+            self.conn, ok = None, False
+        ms = (time.monotonic() - started) * 1000.0
+        if ok:
+            self.samples.append(ms)
+        else:
+            self.failures += 1
+        return ms
+
+    def baseline(self, n=10):
+        quiet = sorted(self.once() for _ in range(n))
+        self.samples, self.failures = [], 0
+        return quiet[len(quiet) // 2]
+
+    def start(self):
+        def loop():
+            while not self.done.wait(0.5):
+                self.once()
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+
+    def stats(self):
+        self.done.set()
+        self.thread.join()
+        s = self.samples or [0.0]
+        return {"n": len(self.samples), "failures": self.failures, "p50": cb.pct(s, 50),
+                "p99": cb.pct(s, 99), "max": max(s)}
+
+
 def run_mode(kube, key, args, workroot, nodes):
     mode = Mode(kube, key, args, workroot, nodes)
     interrupted = False
@@ -814,7 +879,11 @@ def run_mode(kube, key, args, workroot, nodes):
                        if args.quiet_wait > 0 else None)
         api_before = api_counts(kube)
         cpu_before = cpu_snapshot(mode)
+        probe = ReadyzProbe(kube, mode.dir)
+        quiet_ms = probe.baseline()
+        probe.start()
         results, extra = mode.run(args.per_node, args.timeout, args.min_free_mb)
+        extra["readyz_ms"] = {"quiet_p50": quiet_ms, **probe.stats()}
         cpu = cb.cpu_delta(cpu_before, cpu_snapshot(mode))
         adds = len(results)
         api = api_diff(api_before, api_counts(kube), adds)
@@ -867,7 +936,8 @@ def run_mode(kube, key, args, workroot, nodes):
             f"p50={rec['latency_ms']['p50']:.0f}ms p99={rec['latency_ms']['p99']:.0f}ms "
             f"api={rec['api_requests']} ({rec['api_requests_per_add']:.2f}/ADD, "
             f"{fmt_verbs(rec)}) rejected={rec['api_rejected']} 5xx={rec['api_5xx']} "
-            f"retries={rec['retries']} cpu={cpu} mem={extra['memory']}"
+            f"retries={rec['retries']} cpu={cpu} mem={extra['memory']} "
+            f"readyz_ms={extra['readyz_ms']}"
             + (f" runtime-retried={rec['runtime_retried']} attempts={rec['runtime_attempts']}"
                if args.runtime_retries else "")
             + (f" agent-served={rec['agent_served']}" if rec["agent_served"] is not None else "")
