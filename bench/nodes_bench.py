@@ -804,10 +804,13 @@ def cpu_snapshot(mode):
 
 
 class ReadyzProbe:
-    """The control plane's responsiveness while a mode runs: GET /readyz every 0.5 s on one kept
-    connection, as the admin (exempt from API Priority and Fairness: what the server itself
-    answers, not what a queued client sees). `stats()` gives percentiles in ms and the failures;
-    `baseline()` measures a few probes on a quiet server first."""
+    """The control plane's responsiveness while a mode runs: every 0.5 s, a GET of /readyz and a
+    renewal (PATCH of renewTime) of a Lease of another client, each on a kept connection, as the
+    admin (exempt from API Priority and Fairness: what the server itself answers, not what a
+    queued client sees). `baseline()` measures a few rounds on the quiet server first; `stats()`
+    gives percentiles in ms and the failures of each."""
+
+    LEASE = "/apis/coordination.k8s.io/v1/namespaces/default/leases/nodes-bench-probe"
 
     def __init__(self, kube, workdir):
         import base64
@@ -826,32 +829,49 @@ class ReadyzProbe:
                                  str(files["client-key-data"]))
         hostport = cluster["server"].removeprefix("https://")
         self.host, self.port = hostport.rsplit(":", 1)
-        self.samples, self.failures, self.conn = [], 0, None
+        self.samples = {"readyz": [], "lease": []}
+        self.failures = {"readyz": 0, "lease": 0}
+        self.conn = None
         self.done = threading.Event()
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": "nodes-bench-probe"}, "spec": {"holderIdentity": "probe"}}
+        self.request("POST", self.LEASE.rsplit("/", 1)[0], json.dumps(lease))
 
-    def once(self):
+    def request(self, method, path, body=None, content_type="application/json"):
+        """(status, ms); status 0 when the connection failed."""
         started = time.monotonic()
         try:
             if self.conn is None:
-                self.conn = self._http.HTTPSConnection(self.host, int(self.port), context=self.ctx,
-                                                       timeout=30)
-            self.conn.request("GET", "/readyz")
+                self.conn = self._http.HTTPSConnection(self.host, int(self.port),
+                                                       context=self.ctx, timeout=30)
+            headers = {"Content-Type": content_type} if body is not None else {}
+            self.conn.request(method, path, body=body, headers=headers)
             r = self.conn.getresponse()
             r.read()
-            ok = r.status == 200
+            status = r.status
         except OSError:
-            self.conn, ok = None, False
-        ms = (time.monotonic() - started) * 1000.0
-        if ok:
-            self.samples.append(ms)
-        else:
-            self.failures += 1
-        return ms
+            self.conn, status = None, 0
+        return status, (time.monotonic() - started) * 1000.0
+
+    def once(self):
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        patch = json.dumps({"spec": {"renewTime": now}})
+        for what, (status, ms) in (
+                ("readyz", self.request("GET", "/readyz")),
+                ("lease", self.request("PATCH", self.LEASE, patch,
+                                       "application/merge-patch+json"))):
+            if status == 200:
+                self.samples[what].append(ms)
+            else:
+                self.failures[what] += 1
 
     def baseline(self, n=10):
-        quiet = sorted(self.once() for _ in range(n))
-        self.samples, self.failures = [], 0
-        return quiet[len(quiet) // 2]
+        for _ in range(n):
+            self.once()
+        quiet = {k: cb.pct(v or [0.0], 50) for k, v in self.samples.items()}
+        self.samples = {"readyz": [], "lease": []}
+        self.failures = {"readyz": 0, "lease": 0}
+        return quiet
 
     def start(self):
         def loop():
@@ -863,9 +883,13 @@ class ReadyzProbe:
     def stats(self):
         self.done.set()
         self.thread.join()
-        s = self.samples or [0.0]
-        return {"n": len(self.samples), "failures": self.failures, "p50": cb.pct(s, 50),
-                "p99": cb.pct(s, 99), "max": max(s)}
+        self.request("DELETE", self.LEASE)
+        out = {}
+        for what, s in self.samples.items():
+            v = s or [0.0]
+            out[what] = {"n": len(s), "failures": self.failures[what], "p50": round(cb.pct(v, 50), 1),
+                         "p99": round(cb.pct(v, 99), 1), "max": round(max(v), 1)}
+        return out
 
 
 def run_mode(kube, key, args, workroot, nodes):
@@ -883,7 +907,7 @@ def run_mode(kube, key, args, workroot, nodes):
         quiet_ms = probe.baseline()
         probe.start()
         results, extra = mode.run(args.per_node, args.timeout, args.min_free_mb)
-        extra["readyz_ms"] = {"quiet_p50": quiet_ms, **probe.stats()}
+        extra["control_plane_ms"] = {"quiet_p50": quiet_ms, **probe.stats()}
         cpu = cb.cpu_delta(cpu_before, cpu_snapshot(mode))
         adds = len(results)
         api = api_diff(api_before, api_counts(kube), adds)
@@ -937,7 +961,7 @@ def run_mode(kube, key, args, workroot, nodes):
             f"api={rec['api_requests']} ({rec['api_requests_per_add']:.2f}/ADD, "
             f"{fmt_verbs(rec)}) rejected={rec['api_rejected']} 5xx={rec['api_5xx']} "
             f"retries={rec['retries']} cpu={cpu} mem={extra['memory']} "
-            f"readyz_ms={extra['readyz_ms']}"
+            f"control_plane_ms={extra['control_plane_ms']}"
             + (f" runtime-retried={rec['runtime_retried']} attempts={rec['runtime_attempts']}"
                if args.runtime_retries else "")
             + (f" agent-served={rec['agent_served']}" if rec["agent_served"] is not None else "")
