@@ -97,3 +97,39 @@ fn the_agent_container_is_probed_on_its_admin_port() {
         "the metrics port is named for the PodMonitor"
     );
 }
+
+/// Issue 24: the node's token, which the installer copies to the host for the plugin, is a
+/// projected one with an expiry of its own (an hour), not the automounted token the API server
+/// extends to a year; both containers read it where in-cluster clients look for it.
+#[test]
+fn the_node_token_on_the_host_expires_within_an_hour() {
+    use serde_json::Value;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/cni/daemonset.yaml")).unwrap();
+    let ds: Value = serde_saphyr::from_str(&text).unwrap();
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "node-token")
+        .expect("a node-token volume");
+    let sources = volume["projected"]["sources"].as_array().unwrap();
+    let token = sources
+        .iter()
+        .find_map(|s| s.get("serviceAccountToken"))
+        .expect("a projected ServiceAccount token");
+    assert_eq!(token["path"], "token");
+    let expiry = token["expirationSeconds"].as_u64().unwrap();
+    // 3607 is the one value the API server extends to a year; the minimum is 600.
+    assert!((600..=3600).contains(&expiry), "{expiry}");
+    assert!(sources.iter().any(|s| s["configMap"]["name"] == "kube-root-ca.crt"));
+    for c in pod["containers"].as_array().unwrap() {
+        let mounted = c["volumeMounts"].as_array().unwrap().iter().any(|m| {
+            m["name"] == "node-token"
+                && m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+        });
+        assert!(mounted, "{} does not mount the node token", c["name"]);
+    }
+}
