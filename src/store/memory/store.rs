@@ -53,6 +53,37 @@ fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
     current.id == expected.id && current.podref == expected.podref
 }
 
+impl MemoryStore {
+    /// A patch of reservation `name` that holds only while it is the object `uid` at
+    /// `resource_version`, as a merge patch carrying both does: `change` edits the state, and
+    /// the reservation gets a new version.
+    async fn patch_at(
+        &self,
+        kind: &'static str,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+        change: impl FnOnce(&mut State),
+    ) -> Result<Write> {
+        self.pause().await;
+        self.check("patch", name)?;
+        self.counted(kind);
+        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
+        let mut s = self.state.lock().unwrap();
+        match s.reservations.get_mut(name) {
+            None => Ok(Write::Missing),
+            Some(r) if r.uid != uid || r.resource_version != resource_version => {
+                Ok(Write::Conflict)
+            }
+            Some(r) => {
+                r.resource_version = rv;
+                change(&mut s);
+                Ok(Write::Done)
+            }
+        }
+    }
+}
+
 impl Datastore for MemoryStore {
     async fn get_pool(&self, name: &str) -> Result<Option<Pool>> {
         self.pause().await;
@@ -290,21 +321,8 @@ impl Datastore for MemoryStore {
     }
 
     async fn renew_claim(&self, name: &str, uid: &str, resource_version: &str) -> Result<Write> {
-        self.pause().await;
-        self.check("patch", name)?;
-        self.counted("renew_claim");
-        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
-        let mut s = self.state.lock().unwrap();
-        match s.reservations.get_mut(name) {
-            None => Ok(Write::Missing),
-            Some(r) if r.uid != uid || r.resource_version != resource_version => {
-                Ok(Write::Conflict)
-            }
-            Some(r) => {
-                r.resource_version = rv;
-                Ok(Write::Done)
-            }
-        }
+        self.patch_at("renew_claim", name, uid, resource_version, |_| {})
+            .await
     }
 
     async fn take_over_reservation(
@@ -314,23 +332,14 @@ impl Datastore for MemoryStore {
         resource_version: &str,
         spec: &OverlappingRangeIPReservationSpec,
     ) -> Result<Write> {
-        self.pause().await;
-        self.check("patch", name)?;
-        self.counted("take_over_reservation");
-        let rv = self.next.fetch_add(1, Ordering::Relaxed).to_string();
-        let mut s = self.state.lock().unwrap();
-        match s.reservations.get_mut(name) {
-            None => Ok(Write::Missing),
-            Some(r) if r.uid != uid || r.resource_version != resource_version => {
-                Ok(Write::Conflict)
+        let spec = spec.clone();
+        self.patch_at("take_over_reservation", name, uid, resource_version, |s| {
+            if let Some(r) = s.reservations.get_mut(name) {
+                r.spec = spec;
             }
-            Some(r) => {
-                r.spec = spec.clone();
-                r.resource_version = rv;
-                s.releasing.remove(name);
-                Ok(Write::Done)
-            }
-        }
+            s.releasing.remove(name);
+        })
+        .await
     }
 
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
