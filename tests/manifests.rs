@@ -124,7 +124,11 @@ fn the_node_token_on_the_host_expires_within_an_hour() {
     let expiry = token["expirationSeconds"].as_u64().unwrap();
     // 3607 is the one value the API server extends to a year; the minimum is 600.
     assert!((600..=3600).contains(&expiry), "{expiry}");
-    assert!(sources.iter().any(|s| s["configMap"]["name"] == "kube-root-ca.crt"));
+    assert!(
+        sources
+            .iter()
+            .any(|s| s["configMap"]["name"] == "kube-root-ca.crt")
+    );
     for c in pod["containers"].as_array().unwrap() {
         let mounted = c["volumeMounts"].as_array().unwrap().iter().any(|m| {
             m["name"] == "node-token"

@@ -2,7 +2,8 @@
 """The chaos tier: rounds of ADD and DEL bursts from a mixed fleet, with faults injected, and the
 invariants checked after every round. See e2e/chaos/README.md; figures in docs/reliability.md.
 
-One round, on one dual-stack network (one IPv4 and one IPv6 pool):
+One round, on one dual-stack network (one IPv4 and one IPv6 pool); with --overlap also on a second
+network whose IPv4 range overlaps the first's (its own NAD and pool, the same addresses):
   * new Pod objects are created, and each gets an ADD from a fleet member picked at random: our
     plugin through the node agent, our plugin on its own, or upstream's v0.9.2 plugin;
   * at the same time about half of the live pods go away: most with a DEL and then the Pod
@@ -46,6 +47,17 @@ NAD_API = "/apis/k8s.cni.cncf.io/v1"
 NETWORK = "chaosnet"
 IFNAME = "net1"
 V4, V6 = "10.77.0.0/22", "fd00:77::/64"
+# A second network over part of the first one's IPv4 range (another NAD, another pool, the same
+# addresses): only the overlapping-range reservations keep the two pools from handing an address
+# out twice, with upstream's plugin in the fleet too.
+NETWORK_B, V4_B = "chaosnet-b", "10.77.0.0/23"
+NETWORK_B_SHARE = 0.3  # share of new pods attached to it
+# Upstream's plugin attaches only to the first network. Even there, with the second network's
+# claims among the lowest addresses, upstream's v0.9.2 retries each reserved address in turn
+# (`IPAM error updating pool (attempt: 28)`), runs into its own deadlines and past HANG_S: so the
+# second network is opt-in (--overlap), not part of the smoke run. Its pods are ours only.
+NETWORK_B_MEMBERS = ("agent", "direct")
+RANGES = {NETWORK: [V4, V6], NETWORK_B: [V4_B]}
 MEMBERS = ("agent", "direct", "upstream")
 API_FAULTS = ("apiserver-crash", "etcd-crash", "etcd-restart", "apiserver-pause")
 
@@ -128,7 +140,6 @@ class Fleet:
         subprocess.run([str(KUBECTL), "--kubeconfig", str(self.kubeconfig), "config",
                         "set-context", "--current", f"--namespace={self.ns}"],
                        check=True, capture_output=True)
-        ranges = {"ipRanges": [{"range": V4}, {"range": V6}]}
         for member in MEMBERS:
             # The node's flat file decides where the plugin logs (ours ignores a network
             # config's log_file; upstream reads it from the flat file as well).
@@ -142,15 +153,20 @@ class Fleet:
                 # Each member is a node of its own: its own bound on plugins at work.
                 flat["plugin_slots_dir"] = str(self.work / f"{member}-slots")
             (self.work / f"{member}.conf").write_text(json.dumps(flat))
-            ipam = {"type": "whereabouts", "configuration_path": str(self.work / f"{member}.conf"),
-                    "log_level": "verbose", **ranges}
-            self.netconf[member] = json.dumps(
-                {"cniVersion": "1.0.0", "name": NETWORK, "type": "macvlan", "ipam": ipam})
-        nad_ipam = {"type": "whereabouts", **ranges}
-        nad = {"cniVersion": "1.0.0", "name": NETWORK, "type": "macvlan", "ipam": nad_ipam}
-        self.kube.ok("POST", f"{NAD_API}/namespaces/{self.ns}/network-attachment-definitions",
-                     {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
-                      "metadata": {"name": NETWORK}, "spec": {"config": json.dumps(nad)}})
+        networks = RANGES if self.args.overlap else {NETWORK: RANGES[NETWORK]}
+        for network, cidrs in networks.items():
+            ranges = {"ipRanges": [{"range": c} for c in cidrs]}
+            for member in MEMBERS:
+                ipam = {"type": "whereabouts",
+                        "configuration_path": str(self.work / f"{member}.conf"),
+                        "log_level": "verbose", **ranges}
+                self.netconf[(member, network)] = json.dumps(
+                    {"cniVersion": "1.0.0", "name": network, "type": "macvlan", "ipam": ipam})
+            nad_ipam = {"type": "whereabouts", **ranges}
+            nad = {"cniVersion": "1.0.0", "name": network, "type": "macvlan", "ipam": nad_ipam}
+            self.kube.ok("POST", f"{NAD_API}/namespaces/{self.ns}/network-attachment-definitions",
+                         {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition",
+                          "metadata": {"name": network}, "spec": {"config": json.dumps(nad)}})
         self.start_agent()
         for _ in range(2):
             self.start_operator()
@@ -260,7 +276,8 @@ class Fleet:
             timer = threading.Timer(kill_after, kill)
             timer.start()
         try:
-            out, err = p.communicate(self.netconf[member].encode(), timeout=HANG_S)
+            conf = self.netconf[(member, pod.get("net", NETWORK))]
+            out, err = p.communicate(conf.encode(), timeout=HANG_S)
         except subprocess.TimeoutExpired:
             p.kill()
             out, err = p.communicate()
@@ -295,8 +312,9 @@ class Round:
         self.lock = threading.Lock()
         self.takeovers = []  # seconds from the leader's kill to a survivor holding the Lease
 
-    def member(self, rng=None):
-        return (rng or self.rng).choice(MEMBERS)
+    def member(self, rng=None, network=NETWORK):
+        members = NETWORK_B_MEMBERS if network == NETWORK_B else MEMBERS
+        return (rng or self.rng).choice(members)
 
     def rng_for(self, name):
         return random.Random(f"{self.base}-{name}")
@@ -324,7 +342,7 @@ class Round:
                     self.counts.add("violation:bad-result")
                     log(f"bad ADD result from {member}: {e}: {out[:300]!r}")
                     ips = []
-                if len(ips) == 2:
+                if len(ips) == len(RANGES[pod.get("net", NETWORK)]):
                     with self.lock:
                         self.live[pod["name"]] = {**pod, "cid": cid, "member": member, "ips": ips}
                     self.annotate(pod, ips)
@@ -365,7 +383,8 @@ class Round:
 
     def annotate(self, pod, ips):
         """The network-status Multus writes once the pod's networks are attached."""
-        status = [{"name": f"{self.fleet.ns}/{NETWORK}", "interface": IFNAME, "ips": ips,
+        network = pod.get("net", NETWORK)
+        status = [{"name": f"{self.fleet.ns}/{network}", "interface": IFNAME, "ips": ips,
                    "default": False}]
         body = {"metadata": {"annotations": {
             "k8s.v1.cni.cncf.io/network-status": json.dumps(status)}}}
@@ -441,12 +460,17 @@ class Round:
         victims = [a for a in sorted(self.live.values(), key=lambda a: a["name"])
                    if self.rng.random() < 0.5]
         pods = self.create_pods(new_pods)
-        plans = {p["name"]: (self.member(), [self.kill_after() for _ in range(ADD_TRIES)])
+        for p in pods:
+            overlap = self.fleet.args.overlap and self.rng.random() < NETWORK_B_SHARE
+            p["net"] = NETWORK_B if overlap else NETWORK
+        plans = {p["name"]: (self.member(network=p["net"]),
+                             [self.kill_after() for _ in range(ADD_TRIES)])
                  for p in pods}
         # Most pods are deleted after a DEL; some vanish with their node, without one. A node
         # upgraded or downgraded since the ADD runs another member's plugin for the DEL.
         dels = {a["name"]: (self.rng.random() < 0.8,
-                            a["member"] if self.rng.random() < 0.7 else self.member())
+                            a["member"] if self.rng.random() < 0.7
+                            else self.member(network=a.get("net", NETWORK)))
                 for a in victims}
         threads = [threading.Thread(target=self.attach, args=(p, *plans[p["name"]]))
                    for p in pods]
@@ -568,6 +592,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--pods", type=int, default=150, help="new pods per round")
+    ap.add_argument("--overlap", action="store_true",
+                    help=f"also a second network ({NETWORK_B}, {V4_B}) over the first's addresses")
     ap.add_argument("--kubeconfig", required=True, help="admin kubeconfig of e2e/cluster.sh")
     ap.add_argument("--state", required=True, help="the cluster's WHEREABOUTS_E2E_STATE")
     ap.add_argument("--plugin", type=Path, default=RELEASE / "whereabouts")
