@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::harness::{Ns, OperatorProcess, eventually};
+use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, repo};
 
 /// A fast audit; claims younger than `age` are spared.
 fn operator(ns: &Ns, age: &str) -> OperatorProcess {
@@ -133,4 +133,59 @@ fn a_pool_entry_whose_claim_was_deleted_gets_it_back() {
     std::thread::sleep(Duration::from_secs(4));
     assert!(!ns.reservations().contains_key(&unguarded), "{}", op.log());
     assert_eq!(ns.allocations("10.79.1.0-24").len(), 1);
+}
+
+/// Upstream's v0.9.2 ADD over two ranges that finds a claim of its own pod on the first one (left
+/// by a DEL of an earlier sandbox killed between its pool write and its claim's delete) reuses it,
+/// and then creates no claim for the second range either (its "skip" flag is set once for the
+/// whole ADD). The entry stands unguarded until the audit re-creates its claim.
+#[test]
+fn upstreams_second_range_left_unclaimed_after_it_reused_its_pods_claim_gets_one() {
+    let ns = Ns::new("claims-upstream");
+    let podref = format!("{}/p", ns.name);
+    apply(
+        &ns,
+        json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+        "metadata": {"name": "10.81.0.1", "namespace": ns.name},
+        "spec": {"podref": podref, "containerid": "c-killed-del", "ifname": "net1"}}),
+    );
+    let conf = ns.netconf(
+        "0.4.0",
+        json!({"ipRanges": [{"range": "10.81.0.0/24"}, {"range": "fd81::/64"}]}),
+    );
+    let up = CniCall {
+        command: "ADD",
+        conf: &conf,
+        container: "c-second-sandbox",
+        ifname: "net1",
+        netns: "/var/run/netns/none",
+        args: &format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=p;K8S_POD_UID=u",
+            ns.name
+        ),
+        path: None,
+    }
+    .spawn(repo().join("bench/bin/whereabouts-upstream"));
+    let out = Cni::from(up.wait_with_output().unwrap());
+    assert_eq!(out.addresses(), ["10.81.0.1/24", "fd81::1/64"], "{out:?}");
+    // Upstream's defect, as it is: no claim for the second range's address.
+    assert!(
+        !ns.reservations().contains_key("fd81--1"),
+        "{:?}",
+        ns.reservations()
+    );
+    ns.create_pod("p", &Default::default());
+    let op = operator(&ns, "3m");
+    assert!(
+        eventually(30, || ns.reservations().contains_key("fd81--1")),
+        "the second range's entry stayed unclaimed\n{}",
+        op.log()
+    );
+    let claims = ns.reservations();
+    assert_eq!(claims["fd81--1"]["podref"], podref, "{claims:?}");
+    assert_eq!(
+        claims["fd81--1"]["containerid"], "c-second-sandbox",
+        "{claims:?}"
+    );
+    assert_eq!(claims["10.81.0.1"]["podref"], podref, "{claims:?}");
 }
