@@ -77,7 +77,7 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
     // Here, the request talks to the API server itself: within the node's bound (`slots`),
     // held until the request is done (the kernel frees it too if the process is killed).
     let slot = match &req.ipam.plugin_slots {
-        Some(bound) => slots::take(bound, slots::patience(command))?,
+        Some(bound) => slots::take_for(bound, command)?,
         None => None,
     };
     let spent = slot.as_ref().map_or(Duration::ZERO, |s| s.waited);

@@ -17,6 +17,13 @@
 //! Why a gate: a waiter blocked on one slot's file would wait for that slot alone while another
 //! stood free, and hundreds of waiters polling every slot took the CPU the API server needed
 //! (docs/benchmarks.md, "Storms on the plugin alone").
+//!
+//! Why two lanes: a DEL frees what a waiting ADD may need (every pod of a full pool re-created at
+//! once), and behind a queue of ADDs that each wait up to 40 s a DEL, which waits 20 s, could be
+//! turned away again and again (the chaos tier saw DELs give up at the slots for minutes while
+//! ADDs held them). So releases (DEL, GC) queue at a gate of their own and have a slot of their
+//! own (`release-slot`) besides the common ones: at most `plugin_slots` + 1 processes of a node
+//! are at work, and a release never waits behind an ADD.
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -39,9 +46,28 @@ const PAUSE_MS: std::ops::RangeInclusive<u64> = 1..=3;
 #[derive(Debug)]
 pub struct Slot {
     _file: File,
+    /// Which of its lane's lock files (for logs).
     pub index: u32,
     /// How long it took to get.
     pub waited: Duration,
+}
+
+/// Which queue a command waits in (see the module's comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// ADD, CHECK, STATUS: the common slots.
+    Common,
+    /// DEL and GC, which free addresses: a gate and a slot of their own, then the common slots.
+    Release,
+}
+
+impl Lane {
+    pub fn of(command: Command) -> Lane {
+        match command {
+            Command::Del | Command::Gc => Lane::Release,
+            _ => Lane::Common,
+        }
+    }
 }
 
 /// How long `command` may wait for a slot.
@@ -52,11 +78,16 @@ pub fn patience(command: Command) -> Duration {
     }
 }
 
+/// Takes a slot of the node's bound for `command`, waiting at most its patience.
+pub fn take_for(slots: &PluginSlots, command: Command) -> Result<Option<Slot>, CniError> {
+    take(slots, Lane::of(command), patience(command))
+}
+
 /// Takes a slot of the node's bound. `Ok(None)`: the bound could not be set up (its directory
 /// cannot be created or opened): the request runs unbounded, with a warning, rather than fail
 /// every pod of the node. `Err`: no slot came free within `patience`.
-pub fn take(slots: &PluginSlots, patience: Duration) -> Result<Option<Slot>, CniError> {
-    let (gate, files) = match open_all(slots) {
+pub fn take(slots: &PluginSlots, lane: Lane, patience: Duration) -> Result<Option<Slot>, CniError> {
+    let (gate, files) = match open_all(slots, lane) {
         Ok(files) => files,
         Err(e) => {
             tracing::warn!(dir = %slots.dir, error = %e, "the node's plugin slots cannot be used: running unbounded");
@@ -114,9 +145,10 @@ fn busy(slots: &PluginSlots, patience: Duration) -> CniError {
     )
 }
 
-/// Opens (creating) the directory's `gate` and its lock files `slot-0` .. `slot-<count-1>`. The
-/// directory is root's (0700): the flat file that names it is the node's.
-fn open_all(slots: &PluginSlots) -> std::io::Result<(File, Vec<File>)> {
+/// Opens (creating) the lane's gate and the lock files it may take: `slot-0` .. `slot-<count-1>`,
+/// and for releases `release-slot` first. The directory is root's (0700): the flat file that
+/// names it is the node's.
+fn open_all(slots: &PluginSlots, lane: Lane) -> std::io::Result<(File, Vec<File>)> {
     let dir = Path::new(&slots.dir);
     DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let open = |name: String| {
@@ -129,11 +161,16 @@ fn open_all(slots: &PluginSlots) -> std::io::Result<(File, Vec<File>)> {
             .custom_flags(OFlags::NOFOLLOW.bits() as i32)
             .open(dir.join(name))
     };
-    let gate = open("gate".into())?;
-    let files = (0..slots.count)
-        .map(|i| open(format!("slot-{i}")))
+    let (gate, own) = match lane {
+        Lane::Common => ("gate", None),
+        Lane::Release => ("release-gate", Some("release-slot".to_string())),
+    };
+    let files = own
+        .into_iter()
+        .chain((0..slots.count).map(|i| format!("slot-{i}")))
+        .map(open)
         .collect::<std::io::Result<_>>()?;
-    Ok((gate, files))
+    Ok((open(gate.into())?, files))
 }
 
 /// Tries every slot once without blocking, from a random one on (so that waiters do not all
@@ -163,14 +200,14 @@ mod tests {
     fn slots_are_taken_until_none_is_left_and_come_back_when_dropped() {
         let tmp = tempfile::tempdir().unwrap();
         let slots = bound(tmp.path(), 2);
-        let a = take(&slots, Duration::ZERO).unwrap().unwrap();
-        let b = take(&slots, Duration::ZERO).unwrap().unwrap();
+        let a = take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
+        let b = take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
         assert_ne!(a.index, b.index);
-        let e = take(&slots, Duration::from_millis(50)).unwrap_err();
+        let e = take(&slots, Lane::Common, Duration::from_millis(50)).unwrap_err();
         assert_eq!(e.code, Code::TryAgainLater);
         assert!(e.msg.contains("all 2 plugin slots"), "{}", e.msg);
         drop(a);
-        let c = take(&slots, Duration::ZERO).unwrap().unwrap();
+        let c = take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
         assert_eq!(c.index, 1 - b.index);
     }
 
@@ -178,12 +215,14 @@ mod tests {
     fn a_waiter_gets_the_slot_another_lets_go_of() {
         let tmp = tempfile::tempdir().unwrap();
         let slots = bound(tmp.path(), 1);
-        let held = take(&slots, Duration::ZERO).unwrap().unwrap();
+        let held = take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
         let release = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(150));
             drop(held);
         });
-        let got = take(&slots, Duration::from_secs(5)).unwrap().unwrap();
+        let got = take(&slots, Lane::Common, Duration::from_secs(5))
+            .unwrap()
+            .unwrap();
         assert!(got.waited >= Duration::from_millis(100), "{:?}", got.waited);
         release.join().unwrap();
     }
@@ -198,7 +237,9 @@ mod tests {
                 let (slots, busy) = (slots.clone(), busy.clone());
                 std::thread::spawn(move || {
                     use std::sync::atomic::Ordering::SeqCst;
-                    let slot = take(&slots, Duration::from_secs(20)).unwrap().unwrap();
+                    let slot = take(&slots, Lane::Common, Duration::from_secs(20))
+                        .unwrap()
+                        .unwrap();
                     let now = busy.fetch_add(1, SeqCst) + 1;
                     std::thread::sleep(Duration::from_millis(20));
                     busy.fetch_sub(1, SeqCst);
@@ -212,6 +253,38 @@ mod tests {
     }
 
     #[test]
+    fn a_release_never_waits_behind_adds_holding_every_common_slot() {
+        let tmp = tempfile::tempdir().unwrap();
+        let slots = bound(tmp.path(), 2);
+        let adds: Vec<_> = (0..2)
+            .map(|_| take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap())
+            .collect();
+        let e = take(&slots, Lane::Common, Duration::from_millis(20)).unwrap_err();
+        assert_eq!(e.code, Code::TryAgainLater);
+        let del = take(&slots, Lane::Release, Duration::ZERO)
+            .unwrap()
+            .unwrap();
+        // The release slot is one: a second release waits for it, or for a common slot.
+        let e = take(&slots, Lane::Release, Duration::from_millis(20)).unwrap_err();
+        assert_eq!(e.code, Code::TryAgainLater);
+        drop(adds);
+        let a = take(&slots, Lane::Release, Duration::ZERO)
+            .unwrap()
+            .unwrap();
+        let b = take(&slots, Lane::Release, Duration::ZERO)
+            .unwrap()
+            .unwrap();
+        assert!(
+            take(&slots, Lane::Release, Duration::ZERO).is_err(),
+            "2 common + 1 release"
+        );
+        drop((del, a, b));
+        assert_eq!(Lane::of(Command::Del), Lane::Release);
+        assert_eq!(Lane::of(Command::Gc), Lane::Release);
+        assert_eq!(Lane::of(Command::Add), Lane::Common);
+    }
+
+    #[test]
     fn an_unusable_directory_leaves_the_request_unbounded() {
         let tmp = tempfile::tempdir().unwrap();
         let file = tmp.path().join("not-a-dir");
@@ -220,6 +293,10 @@ mod tests {
             count: 1,
             dir: file.join("slots").display().to_string(),
         };
-        assert!(take(&slots, Duration::ZERO).unwrap().is_none());
+        assert!(
+            take(&slots, Lane::Common, Duration::ZERO)
+                .unwrap()
+                .is_none()
+        );
     }
 }

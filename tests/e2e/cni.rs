@@ -403,4 +403,24 @@ fn a_nodes_plugins_wait_for_its_slots_and_send_nothing_meanwhile() {
         .collect();
     assert_eq!(addresses.len(), 6);
     assert_eq!(ns.allocations("10.77.0.0-24").len(), 6);
+    // A DEL frees what a waiting ADD may need: it does not queue behind ADDs holding every slot.
+    let held: Vec<std::fs::File> = (0..2)
+        .map(|i| {
+            let f = std::fs::File::open(slots.join(format!("slot-{i}"))).unwrap();
+            flock(&f, FlockOperation::NonBlockingLockExclusive).unwrap();
+            f
+        })
+        .collect();
+    let mut adds = ns.cni_spawn_pods("ADD", &conf, 6..9);
+    let del = ns.cni_pod("DEL", &conf, 0);
+    assert!(del.ok, "{del:?}");
+    assert_eq!(ns.allocations("10.77.0.0-24").len(), 5, "the DEL waited");
+    for p in &mut adds {
+        assert!(p.try_wait().unwrap().is_none(), "an ADD ran without a slot");
+    }
+    drop(held);
+    for p in adds {
+        assert!(Cni::from(p.wait_with_output().unwrap()).ok);
+    }
+    assert_eq!(ns.allocations("10.77.0.0-24").len(), 8);
 }
