@@ -423,6 +423,27 @@ async fn overlapping_pools_share_addresses_through_reservations() {
     );
 }
 
+/// The pool an ADD creates says what it is, so that the operator never parses its name.
+#[tokio::test]
+async fn a_pool_made_by_an_add_is_labelled_with_its_network_and_range() {
+    let store = MemoryStore::new();
+    let named = json!({"type": "whereabouts", "range": "fd00:7::/64", "network_name": "red-net"});
+    run(&store, Command::Add, &named, "c1", "p1").await.unwrap();
+    let labels = store.pool_labels("red-net-fd00-7---64").unwrap();
+    assert_eq!(labels["whereabouts.cni.cncf.io/network"], "red-net");
+    assert_eq!(labels["whereabouts.cni.cncf.io/range"], "fd00-7---64");
+    assert!(!labels.contains_key("whereabouts.cni.cncf.io/node"));
+    let unnamed = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    run(&store, Command::Add, &unnamed, "c2", "p2")
+        .await
+        .unwrap();
+    let labels = store.pool_labels("10.0.0.0-24").unwrap();
+    assert_eq!(
+        labels["whereabouts.cni.cncf.io/network"], "",
+        "the unnamed network"
+    );
+}
+
 #[tokio::test]
 async fn an_entry_written_by_another_writer_is_respected() {
     let store = MemoryStore::new();
@@ -864,8 +885,8 @@ async fn batched_dels_release_together_and_spare_re_bound_addresses() {
     assert_eq!(format!("{}/24", store.reservation_names()[0]), kept);
 }
 
-fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Attachment {
-    whereabouts::alloc::Attachment {
+fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Owner {
+    whereabouts::alloc::Owner {
         container_id: container.into(),
         ifname: "net1".into(),
         podref: format!("ns/{pod}"),
@@ -1266,7 +1287,7 @@ async fn a_del_withdraws_the_claim_its_cut_off_add_left() {
             .unwrap();
     }
     store
-        .create_pool("10.0.0.0-24", "10.0.0.0/24")
+        .create_pool("10.0.0.0-24", "10.0.0.0/24", &Default::default())
         .await
         .unwrap();
     run(&store, Command::Del, &ipam, "c0", "p0").await.unwrap();

@@ -127,6 +127,17 @@ async fn each_node_allocates_from_its_slice_with_the_whole_prefix() {
         .unwrap();
     assert_eq!(b.allocations.keys().copied().collect::<Vec<_>>(), [1]);
     assert!(store.get_pool("blue-10.0.0.0-24").await.unwrap().is_none());
+    // Each slice pool says what it is: its network, its slice and its node.
+    let labels = store.pool_labels("blue-node-b-10.0.0.64-26").unwrap();
+    let want = [
+        ("whereabouts.cni.cncf.io/network", "blue"),
+        ("whereabouts.cni.cncf.io/node", "node-b"),
+        ("whereabouts.cni.cncf.io/range", "10.0.0.64-26"),
+    ];
+    assert_eq!(
+        labels,
+        want.map(|(k, v)| (k.to_owned(), v.to_owned())).into()
+    );
     // The reservations keep their upstream names (the network's, not the slice pool's).
     assert!(
         store

@@ -18,14 +18,14 @@ const LAYERS: &[(&str, u8)] = &[
     ("config", 1),
     ("store", 1),
     ("ownership", 2),
-    ("alloc", 2),
-    ("nad_check", 2),
-    ("admin", 2),
-    ("cni", 3),
-    ("controller", 3),
-    ("webhook", 3),
-    ("agent", 4),
-    ("cli", 5),
+    ("alloc", 3),
+    ("nad_check", 3),
+    ("admin", 3),
+    ("cni", 4),
+    ("controller", 4),
+    ("webhook", 4),
+    ("agent", 5),
+    ("cli", 6),
 ];
 
 fn layer(module: &str) -> Option<u8> {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::alloc::{AllocError, Allocate, Allocated, Attachment, Job, Target};
+use crate::alloc::{AllocError, Allocate, Allocated, Job, Owner, Target};
 use crate::metrics::agent::AgentMetrics;
 use crate::store::{Datastore, StoreError};
 
@@ -322,7 +322,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
         &self,
         _store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
         let job = Job::new(target, who);
         let slot = self.admit_one(&target.pool);
@@ -336,7 +336,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
         &self,
         _store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
         let job = Job::new(target, who);
         let slot = self.admit_one(&target.pool);
@@ -369,7 +369,7 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         &self,
         _store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
         let slot = self.slot(&target.pool);
         self.batcher.submit(Job::new(target, who), slot)
@@ -379,7 +379,7 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         &self,
         _store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
         let slot = self.slot(&target.pool);
         self.batcher.submit_release(Job::new(target, who), slot)

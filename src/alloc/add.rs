@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use super::claim::{Claim, PendingClaim};
 use super::pool::ObjectRoom;
-use super::{AllocError, Allocated, Attachment, Engine};
+use super::{AllocError, Allocated, Engine, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
 use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
@@ -70,7 +70,7 @@ fn contenders_hint(pending: usize) -> u32 {
 
 impl<S: Datastore> Engine<'_, S> {
     /// Allocates `who` an address of the target (the one it already holds, if any).
-    pub async fn allocate(self, who: &Attachment) -> Result<Allocated, AllocError> {
+    pub async fn allocate(self, who: &Owner) -> Result<Allocated, AllocError> {
         let mut progress = Progress::default();
         loop {
             let conflicts = progress.conflicts;
@@ -104,7 +104,7 @@ impl<S: Datastore> Engine<'_, S> {
     async fn try_once(
         &self,
         pool: Pool,
-        who: &Attachment,
+        who: &Owner,
         progress: &mut Progress,
     ) -> Result<Option<IpAddr>, AllocError> {
         let overlapping = self.target.overlapping;
@@ -142,7 +142,7 @@ impl<S: Datastore> Engine<'_, S> {
     async fn adoptable(
         &self,
         pending: &[PendingClaim],
-        who: &Attachment,
+        who: &Owner,
         skip: &BTreeSet<u128>,
     ) -> Result<Option<Attempt>, StoreError> {
         let Some(own) = pending
@@ -178,7 +178,7 @@ impl<S: Datastore> Engine<'_, S> {
         &self,
         pool: &Pool,
         pending: &[PendingClaim],
-        who: &Attachment,
+        who: &Owner,
         progress: &Progress,
     ) -> Result<Attempt, AllocError> {
         let mut taken: BTreeSet<u128> = pool.allocations.keys().copied().collect();
@@ -209,7 +209,7 @@ impl<S: Datastore> Engine<'_, S> {
         &self,
         pool: &Pool,
         attempt: Attempt,
-        who: &Attachment,
+        who: &Owner,
         contenders: usize,
     ) -> Result<Result<IpAddr, Claim>, AllocError> {
         let offset = attempt.offset;
@@ -312,7 +312,7 @@ impl<S: Datastore> Engine<'_, S> {
         pool: &Pool,
         offset: u128,
         entry: &IPAllocation,
-        who: &Attachment,
+        who: &Owner,
     ) -> Result<Option<IpAddr>, StoreError> {
         let ip = self
             .target

@@ -5,8 +5,9 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use super::{Attachment, Engine};
+use super::{Engine, Owner};
 use crate::crd::IPAllocation;
+use crate::ownership::is_claim_of;
 use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
 
 /// How long a claim may wait for its pool entry while its writer is still at work. An ADD records
@@ -39,11 +40,10 @@ pub struct PendingClaim {
 }
 
 impl PendingClaim {
-    /// Made by this very container for this interface (an earlier attempt of the same ADD).
-    pub fn is_of(&self, who: &Attachment) -> bool {
-        self.entry.id == who.container_id
-            && self.entry.podref == who.podref
-            && self.entry.ifname == who.ifname
+    /// Made by this very container for this interface (an earlier attempt of the same ADD):
+    /// [`Owner::same_attachment`].
+    pub fn is_of(&self, who: &Owner) -> bool {
+        Owner::of_entry(&self.entry).same_attachment(who)
     }
 }
 
@@ -51,17 +51,12 @@ impl<S: Datastore> Engine<'_, S> {
     /// Claims `ip` for `who`. With `verify`, a lost create is read back to tell a racing claimant
     /// from a steady holder, and a reservation of the same pod interface under an earlier
     /// container is taken over.
-    pub async fn claim(
-        &self,
-        ip: IpAddr,
-        who: &Attachment,
-        verify: bool,
-    ) -> Result<Claim, StoreError> {
+    pub async fn claim(&self, ip: IpAddr, who: &Owner, verify: bool) -> Result<Claim, StoreError> {
         let name = self.target.reservation(ip);
         for _ in 0..3 {
             if let (Write::Done, uid) = self
                 .store
-                .create_reservation(&name, &who.reservation(), &self.target.pool, ip)
+                .create_reservation(&name, &who.claim(), &self.target.pool, ip)
                 .await?
             {
                 return Ok(Claim::Ours(uid));
@@ -70,7 +65,7 @@ impl<S: Datastore> Engine<'_, S> {
                 return Ok(Claim::Lost);
             }
             match self.store.get_reservation(&name).await? {
-                Some(r) if who.may_take_over(&r.spec) => {
+                Some(r) if who.may_take_over(&Owner::of_claim(&r.spec)) => {
                     return self.take_over(&name, &r, who).await;
                 }
                 Some(r) if r.is_recent() => return Ok(Claim::Race),
@@ -89,7 +84,7 @@ impl<S: Datastore> Engine<'_, S> {
         &self,
         name: &str,
         r: &Reservation,
-        who: &Attachment,
+        who: &Owner,
     ) -> Result<Claim, StoreError> {
         if r.spec.containerid == who.container_id {
             // An earlier attempt's claim: renewed before it is recorded (see CLAIM_LIFETIME).
@@ -104,7 +99,7 @@ impl<S: Datastore> Engine<'_, S> {
                 },
             );
         }
-        let spec = who.reservation();
+        let spec = who.claim();
         Ok(
             match self
                 .store
@@ -126,7 +121,7 @@ impl<S: Datastore> Engine<'_, S> {
     }
 
     /// The reservation `name` when it is `entry`'s claim (see
-    /// [`crate::crd::OverlappingRangeIPReservationSpec::is_claim_of`]): the one a release of that entry may
+    /// [`crate::ownership::is_claim_of`]): the one a release of that entry may
     /// delete, never another pod's claim on the same address (of an overlapping range), nor one a
     /// new container of the pod has taken over.
     pub async fn reservation_of(
@@ -138,7 +133,7 @@ impl<S: Datastore> Engine<'_, S> {
             .store
             .get_reservation(name)
             .await?
-            .filter(|r| r.spec.is_claim_of(entry)))
+            .filter(|r| is_claim_of(&r.spec, entry)))
     }
 
     /// Deletes the claims of `who`'s container and interface that the pool does not record: an
@@ -146,7 +141,7 @@ impl<S: Datastore> Engine<'_, S> {
     /// DEL is the container's last word (its retry is a new sandbox, with a new container id), so
     /// nothing of it is left for the audit's sweep. Only recent claims are listed (see
     /// [`crate::store::CLAIMED_LABEL`]): an older one is the sweep's.
-    pub async fn withdraw_claims(&self, pool: &Pool, who: &Attachment) -> Result<(), StoreError> {
+    pub async fn withdraw_claims(&self, pool: &Pool, who: &Owner) -> Result<(), StoreError> {
         if !self.target.overlapping {
             return Ok(());
         }
@@ -178,14 +173,7 @@ impl<S: Datastore> Engine<'_, S> {
             .into_iter()
             .filter_map(|c| {
                 let offset = self.target.range.offset_of(c.ip)?;
-                let entry = IPAllocation {
-                    id: c.spec.containerid,
-                    podref: c.spec.podref,
-                    ifname: c.spec.ifname,
-                    poduid: c.spec.poduid,
-                    ipamclaimref: c.spec.ipamclaimref,
-                    statefulset: c.spec.statefulset,
-                };
+                let entry = Owner::of_claim(&c.spec).entry();
                 let pending = Some(offset) != own && !pool.allocations.contains_key(&offset);
                 pending.then_some(PendingClaim {
                     offset,

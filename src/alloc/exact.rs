@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use super::add::Attempt;
 use super::claim::{Claim, PendingClaim};
 use super::pool::ObjectRoom;
-use super::{AllocError, Allocated, Attachment, Engine, Holder};
+use super::{AllocError, Allocated, Engine, Holder, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
 use crate::store::Datastore;
@@ -28,11 +28,7 @@ impl<S: Datastore> Engine<'_, S> {
     /// Allocates exactly `ip` to `who`: returns it again when `who` already holds it, fails with
     /// [`AllocError::Unavailable`] when it lies outside the target's window or another
     /// attachment holds it.
-    pub async fn allocate_exact(
-        self,
-        ip: IpAddr,
-        who: &Attachment,
-    ) -> Result<Allocated, AllocError> {
+    pub async fn allocate_exact(self, ip: IpAddr, who: &Owner) -> Result<Allocated, AllocError> {
         let unavailable = |why: String| AllocError::Unavailable { ip, why };
         if let Some(why) = self.target.range.refusal(ip) {
             return Err(unavailable(why));
@@ -79,7 +75,8 @@ impl<S: Datastore> Engine<'_, S> {
                 // Another pod of the same claim is recording it right now (a live migration's
                 // two pods at once): once recorded, it is reused above.
                 Some(p)
-                    if !p.entry.ipamclaimref.is_empty() && Holder::of(&p.entry) == who.holder =>
+                    if !p.entry.ipamclaimref.is_empty()
+                        && Holder::of_entry(&p.entry) == who.holder =>
                 {
                     conflicts += 1;
                     LOST_RACE.pause(conflicts).await;
@@ -118,10 +115,10 @@ impl<S: Datastore> Engine<'_, S> {
     }
 
     /// The error for `ip` steadily reserved by another attachment (an overlapping range's pod).
-    async fn held_elsewhere(&self, ip: IpAddr, who: &Attachment) -> Result<AllocError, AllocError> {
+    async fn held_elsewhere(&self, ip: IpAddr, who: &Owner) -> Result<AllocError, AllocError> {
         let name = self.target.reservation(ip);
         let why = match self.store.get_reservation(&name).await? {
-            Some(r) if !who.may_take_over(&r.spec) => format!(
+            Some(r) if !who.may_take_over(&Owner::of_claim(&r.spec)) => format!(
                 "is reserved by pod {} interface {} (overlappingrangeipreservation {name})",
                 r.spec.podref, r.spec.ifname
             ),
@@ -133,6 +130,6 @@ impl<S: Datastore> Engine<'_, S> {
     }
 }
 
-fn others(pending: &[PendingClaim], who: &Attachment) -> usize {
+fn others(pending: &[PendingClaim], who: &Owner) -> usize {
     pending.iter().filter(|p| !p.is_of(who)).count()
 }

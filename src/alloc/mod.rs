@@ -2,7 +2,7 @@
 //! plugin ([`crate::cni`]), the node agent ([`crate::agent`]) and the operator
 //! ([`crate::controller`]) all go through it; it knows nothing of CNI configs or NADs, only of a
 //! [`Target`] (a pool, its address range, its network, whether ranges may overlap) and of the
-//! [`Attachment`] an address is for.
+//! [`Owner`] an address is for.
 //!
 //! ADD claims first, then records: with overlapping ranges on, the reservation object of the
 //! chosen address is created (atomic create-or-409); only its owner then records the pool entry,
@@ -52,11 +52,12 @@ use std::net::IpAddr;
 
 use thiserror::Error;
 
-use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::crd::IPAllocation;
 use crate::ipam::AddrRange;
-use crate::ipam::naming::reservation_name;
+use crate::ipam::naming::{pool_labels, reservation_name};
 use crate::store::{Datastore, Pool, StoreError};
 
+pub use crate::ownership::{Holder, Owner};
 pub use claim::CLAIM_LIFETIME;
 pub use group::Job;
 pub use release::remove_entries;
@@ -72,6 +73,8 @@ pub struct Target {
     pub network: Option<String>,
     /// Whether addresses are claimed by reservation objects first (`enable_overlapping_ranges`).
     pub overlapping: bool,
+    /// The node whose slice this pool is (node slices only): recorded in the pool's labels.
+    pub node: Option<String>,
 }
 
 impl Target {
@@ -85,89 +88,45 @@ impl Target {
         self.ip(offset).expect("picked offsets lie in the range")
     }
 
+    /// The labels of this target's pool (see [`crate::ipam::naming::pool_labels`]).
+    pub fn pool_labels(&self) -> std::collections::BTreeMap<String, String> {
+        pool_labels(
+            self.network.as_deref(),
+            self.range.cidr(),
+            self.node.as_deref(),
+        )
+    }
+
     /// The name of the reservation guarding `ip` in this target's network.
     pub fn reservation(&self, ip: IpAddr) -> String {
         reservation_name(self.network.as_deref(), ip)
     }
 }
 
-/// Who an address is for: the attachment of one container interface of one pod.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Attachment {
-    pub container_id: String,
-    pub ifname: String,
-    /// `<namespace>/<name>`; empty when the runtime did not pass the pod (DEL may omit it).
-    pub podref: String,
-    pub pod_uid: String,
-    /// What keeps the address past this pod, if anything.
-    pub holder: Holder,
-}
-
-/// What holds an address beyond the pod it was given to. A held entry is not released by DEL,
-/// CNI GC or the operator's pod cleanup; the operator frees it when its holder goes away.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum Holder {
-    /// Nothing: the address lives and dies with the attachment.
-    #[default]
-    Pod,
-    /// The StatefulSet (its name) whose pod this is, on a `sticky_statefulset` network: the
-    /// ordinal keeps the address while the StatefulSet has it.
-    StatefulSet(String),
-    /// An IPAMClaim, `<namespace>/<name>`: every pod that refers to it gets its address.
-    Claim(String),
-}
-
-impl Holder {
-    /// The holder an entry records.
-    pub fn of(entry: &IPAllocation) -> Holder {
-        if !entry.ipamclaimref.is_empty() {
-            Holder::Claim(entry.ipamclaimref.clone())
-        } else if !entry.statefulset.is_empty() {
-            Holder::StatefulSet(entry.statefulset.clone())
-        } else {
-            Holder::Pod
-        }
-    }
-
-    fn claim_ref(&self) -> String {
-        match self {
-            Holder::Claim(claim) => claim.clone(),
-            _ => String::new(),
-        }
-    }
-
-    fn statefulset(&self) -> String {
-        match self {
-            Holder::StatefulSet(name) => name.clone(),
-            _ => String::new(),
-        }
-    }
-}
-
-impl Attachment {
-    /// The entries a DEL of this attachment releases: its container's on its interface (an
-    /// entry without an interface name, as very old upstream versions wrote, counts as its own),
-    /// unless something else holds them.
+/// The pool lookups of an owner; whose entry is whose is decided by [`Owner`]'s comparisons.
+impl Owner {
+    /// The entries a DEL of this attachment releases: its container's on its interface
+    /// ([`Owner::same_attachment`]), unless something else holds them.
     pub fn entries_in<'p>(
         &self,
         pool: &'p Pool,
     ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
         pool.allocations
             .iter()
-            .filter(|(_, e)| {
-                e.id == self.container_id
-                    && (e.ifname == self.ifname || e.ifname.is_empty())
-                    && !e.is_held()
-            })
+            .filter(|(_, e)| !e.is_held() && Owner::of_entry(e).same_attachment(self))
             .map(|(o, e)| (*o, e))
     }
 
     /// The entry this attachment already holds in `pool`, which an ADD returns again: its
-    /// claim's, else its pod interface's.
+    /// claim's, else its pod interface's ([`Owner::same_pod_interface`]).
     pub fn held_entry<'p>(&self, pool: &'p Pool) -> Option<(u128, &'p IPAllocation)> {
         match &self.holder {
             Holder::Claim(_) => self.claim_entries(pool).next(),
-            _ => pool.entry_of(&self.podref, &self.ifname),
+            _ => pool
+                .allocations
+                .iter()
+                .find(|(_, e)| Owner::of_entry(e).same_pod_interface(self))
+                .map(|(o, e)| (*o, e)),
         }
     }
 
@@ -177,51 +136,17 @@ impl Attachment {
         &self,
         pool: &'p Pool,
     ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
-        let claim = match &self.holder {
-            Holder::Claim(claim) => Some(claim.as_str()),
-            _ => None,
-        };
         pool.allocations
             .iter()
-            .filter(move |(_, e)| claim.is_some_and(|c| e.ipamclaimref == c))
+            .filter(|(_, e)| Owner::of_entry(e).same_claim(self))
             .map(|(o, e)| (*o, e))
-    }
-
-    /// Whether a reservation written for `spec` is this attachment's to take over: the same pod
-    /// interface (a new container of it), or the same claim (another pod of it).
-    pub fn may_take_over(&self, spec: &OverlappingRangeIPReservationSpec) -> bool {
-        let same_claim = matches!(&self.holder, Holder::Claim(c) if *c == spec.ipamclaimref);
-        same_claim || (spec.podref == self.podref && spec.ifname == self.ifname)
-    }
-
-    /// The pool entry recording this attachment.
-    pub fn entry(&self) -> IPAllocation {
-        IPAllocation {
-            id: self.container_id.clone(),
-            podref: self.podref.clone(),
-            ifname: self.ifname.clone(),
-            poduid: self.pod_uid.clone(),
-            ipamclaimref: self.holder.claim_ref(),
-            statefulset: self.holder.statefulset(),
-        }
-    }
-
-    fn reservation(&self) -> OverlappingRangeIPReservationSpec {
-        OverlappingRangeIPReservationSpec {
-            containerid: self.container_id.clone(),
-            podref: self.podref.clone(),
-            ifname: self.ifname.clone(),
-            poduid: self.pod_uid.clone(),
-            ipamclaimref: self.holder.claim_ref(),
-            statefulset: self.holder.statefulset(),
-        }
     }
 }
 
-/// Whether an entry still holds the container and pod `expected` names (the interface may have
-/// been written differently by an older writer).
+/// Whether an entry still holds the container and pod `expected` names
+/// ([`Owner::same_container`]).
 pub fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
-    current.id == expected.id && current.podref == expected.podref
+    Owner::of_entry(current).same_container(&Owner::of_entry(expected))
 }
 
 /// The outcome of an allocation and how many races it lost on the way (for benchmarks and logs).
@@ -315,14 +240,14 @@ pub trait Allocate<S: Datastore>: Sync {
         &self,
         store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send;
 
     fn release(
         &self,
         store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send;
 }
 
@@ -335,7 +260,7 @@ impl<S: Datastore> Allocate<S> for Direct {
         &self,
         store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> Result<Allocated, AllocError> {
         Engine::new(store, target).allocate(who).await
     }
@@ -344,7 +269,7 @@ impl<S: Datastore> Allocate<S> for Direct {
         &self,
         store: &S,
         target: &Target,
-        who: &Attachment,
+        who: &Owner,
     ) -> Result<Vec<IpAddr>, StoreError> {
         Engine::new(store, target).release(who).await
     }

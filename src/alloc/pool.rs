@@ -22,12 +22,13 @@ impl<S: Datastore> Engine<'_, S> {
             return Ok(pool);
         }
         let cidr = self.target.range.cidr().to_string();
+        let labels = self.target.pool_labels();
         for _ in 0..3 {
-            store.create_pool(name, &cidr).await?;
+            store.create_pool(name, &cidr, &labels).await?;
             if let Some(pool) = store.get_pool(name).await? {
                 return Ok(pool);
             }
-            store.create_pool(name, &cidr).await?;
+            store.create_pool(name, &cidr, &labels).await?;
         }
         store
             .get_pool(name)

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use super::turn::FOLLOW_UP_WRITES;
-use super::{Attachment, Engine, same_owner};
+use super::{Engine, Owner, same_owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_WRITE, MAX_CONFLICTS};
 use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
@@ -33,7 +33,7 @@ impl<S: Datastore> Engine<'_, S> {
     /// one of them takes the pool's writer turn and removes every announced entry in one write
     /// while the rest wait for it on a watch, as ADDs do for claims. Each DEL then deletes its own
     /// reservations.
-    pub async fn release(self, who: &Attachment) -> Result<Vec<IpAddr>, StoreError> {
+    pub async fn release(self, who: &Owner) -> Result<Vec<IpAddr>, StoreError> {
         let Some(pool) = self.store.get_pool(&self.target.pool).await? else {
             return Ok(Vec::new());
         };

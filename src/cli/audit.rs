@@ -292,6 +292,7 @@ fn target_of(at: &EntryAt) -> anyhow::Result<(Target, u128)> {
         range: AddrRange::new(cidr, None, None, &[])?,
         network: at.network.clone(),
         overlapping: true,
+        node: None,
     };
     Ok((target, at.offset.parse()?))
 }

@@ -2,7 +2,7 @@
 //! each within its deadline, with each range's address claimed (released) by an [`Allocate`]:
 //! this process alone, or the node agent's groups.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use super::protocol::{CniError, Code, Command};
 use super::reply::{IpResult, Reply, render_result, version_reply};
 use super::slices::{SLICE_WAIT, Sliced};
 use super::{keep, requested};
-use crate::alloc::{AllocError, Allocate, Attachment, Direct, Engine, Target};
+use crate::alloc::{AllocError, Allocate, Direct, Engine, Owner, Target};
 use crate::store::Datastore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
@@ -129,7 +129,7 @@ async fn allocate_all<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
-    who: &Attachment,
+    who: &Owner,
     wanted: &[Option<IpAddr>],
 ) -> Result<Vec<IpResult>, CniError> {
     let mut ips = Vec::with_capacity(req.targets.len());
@@ -174,7 +174,7 @@ fn reply(req: &Request, mut ips: Vec<IpResult>) -> Result<Reply, CniError> {
 async fn allocate_exact<S: Datastore>(
     store: &S,
     target: &Target,
-    who: &Attachment,
+    who: &Owner,
     ip: IpAddr,
 ) -> Result<(Target, IpAddr), CniError> {
     let a = Engine::new(store, target)
@@ -191,7 +191,7 @@ async fn allocate_range<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
     req: &Request,
-    who: &Attachment,
+    who: &Owner,
     i: usize,
 ) -> Result<(Target, IpAddr), CniError> {
     let Some(sliced) = Sliced::of(req, i) else {
@@ -222,7 +222,7 @@ async fn allocate_in<S: Datastore, A: Allocate<S>>(
     alloc: &A,
     store: &S,
     target: &Target,
-    who: &Attachment,
+    who: &Owner,
     slice: bool,
 ) -> Result<Option<IpAddr>, CniError> {
     match alloc.allocate(store, target, who).await {
@@ -253,7 +253,7 @@ async fn held_targets<S: Datastore>(
 async fn rollback<S: Datastore, A: Allocate<S>>(
     store: &S,
     alloc: &A,
-    who: &Attachment,
+    who: &Owner,
     used: &[Target],
 ) {
     for target in used {
@@ -393,9 +393,9 @@ async fn held_in<S: Datastore>(
             .await
             .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
         let entry = pool.as_ref().and_then(|p| {
-            p.allocations.iter().find(|(_, e)| {
-                e.id == req.attachment.container_id && e.ifname == req.attachment.ifname
-            })
+            p.allocations
+                .iter()
+                .find(|(_, e)| Owner::of_entry(e).same_attachment(&req.attachment))
         });
         if let Some(ip) = entry.and_then(|(offset, _)| target.range.addr_at(*offset)) {
             return Ok((target.pool.clone(), Some(ip)));
@@ -429,7 +429,7 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
         let unknown: Vec<_> = pool
             .allocations
             .iter()
-            .filter(|(_, e)| !valid.contains(&(e.id.clone(), e.ifname.clone())))
+            .filter(|(_, e)| !is_valid(&valid, e))
             .map(|(o, e)| (*o, e.clone()))
             .collect();
         if unknown.is_empty() {
@@ -453,7 +453,18 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
     Ok(released)
 }
 
-fn valid_attachments(conf: &Value) -> Result<HashSet<(String, String)>, CniError> {
+/// The runtime's valid attachments by container id.
+type Valid = HashMap<String, Vec<Owner>>;
+
+/// Whether `entry` is one of the runtime's valid attachments ([`Owner::same_attachment`]).
+fn is_valid(valid: &Valid, entry: &crate::crd::IPAllocation) -> bool {
+    let owner = Owner::of_entry(entry);
+    valid
+        .get(&entry.id)
+        .is_some_and(|list| list.iter().any(|v| owner.same_attachment(v)))
+}
+
+fn valid_attachments(conf: &Value) -> Result<Valid, CniError> {
     let list = conf
         .get("cni.dev/valid-attachments")
         .and_then(Value::as_array)
@@ -463,19 +474,24 @@ fn valid_attachments(conf: &Value) -> Result<HashSet<(String, String)>, CniError
                 "GC needs cni.dev/valid-attachments in the network config",
             )
         })?;
-    list.iter()
-        .map(|a| {
-            let id = a.get("containerID").and_then(Value::as_str);
-            let ifname = a.get("ifname").and_then(Value::as_str);
-            match (id, ifname) {
-                (Some(id), Some(ifname)) => Ok((id.to_owned(), ifname.to_owned())),
-                _ => Err(CniError::new(
-                    Code::InvalidConfig,
-                    format!("cni.dev/valid-attachments entry {a} needs containerID and ifname"),
-                )),
-            }
-        })
-        .collect()
+    let mut valid = Valid::new();
+    for a in list {
+        let id = a.get("containerID").and_then(Value::as_str);
+        let ifname = a.get("ifname").and_then(Value::as_str);
+        let (Some(id), Some(ifname)) = (id, ifname) else {
+            return Err(CniError::new(
+                Code::InvalidConfig,
+                format!("cni.dev/valid-attachments entry {a} needs containerID and ifname"),
+            ));
+        };
+        let owner = Owner {
+            container_id: id.to_owned(),
+            ifname: ifname.to_owned(),
+            ..Owner::default()
+        };
+        valid.entry(id.to_owned()).or_default().push(owner);
+    }
+    Ok(valid)
 }
 
 /// STATUS: ready when the datastore answers.

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 
 use super::protocol::{CniArgs, CniError, Code, Command, check_version};
 use super::{requested, slices};
-use crate::alloc::{Attachment, Target};
+use crate::alloc::{Owner, Target};
 use crate::config::netconf::one_address_per_family;
 use crate::config::trust::{self, NamedFile, NodeKeyProblems, TrustedDirs, Untrusted};
 use crate::config::{
@@ -23,7 +23,7 @@ use crate::config::{
 #[derive(Debug, Clone)]
 pub struct Request {
     pub command: Command,
-    pub attachment: Attachment,
+    pub attachment: Owner,
     pub args: CniArgs,
     pub conf: NetConf,
     pub ipam: IpamConfig,
@@ -55,6 +55,7 @@ pub fn target(range: &RangeConfig, ipam: &IpamConfig) -> Target {
         range: range.range.clone(),
         network: ipam.network_name.clone(),
         overlapping: ipam.enable_overlapping_ranges,
+        node: None,
     }
 }
 
@@ -220,7 +221,7 @@ impl Invocation {
             return Err(invalid_config(&p));
         }
         let requested = requested::assign(&ipam.ranges, &requested)?;
-        let attachment = Attachment {
+        let attachment = Owner {
             container_id: self.container_id.clone(),
             ifname: self.ifname.clone(),
             podref: args.podref(),
@@ -325,7 +326,7 @@ fn validated(merged: &Value, prefix: &str) -> Result<IpamConfig, CniError> {
         .ok_or_else(|| invalid_config(problem::join(&validated.errors)))
 }
 
-fn require_env(command: Command, a: &Attachment) -> Result<(), CniError> {
+fn require_env(command: Command, a: &Owner) -> Result<(), CniError> {
     if !matches!(command, Command::Add | Command::Del | Command::Check) {
         return Ok(());
     }

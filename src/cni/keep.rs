@@ -12,13 +12,13 @@ use serde::Deserialize;
 use super::Request;
 use super::protocol::{CniError, Code};
 use super::requested::{self, Requested};
-use crate::alloc::{Attachment, Engine, Holder, Target};
+use crate::alloc::{Engine, Holder, Owner, Target};
 use crate::crd::{ClaimCondition, IPAMClaim, IPAMClaimStatus, IPAllocation, OwnerPod};
 use crate::store::{Datastore, NETWORKS_ANNOTATION, StoreError, Write};
 
 /// The attachment with its holder, and the claim behind it, if any.
 pub struct Kept {
-    pub who: Attachment,
+    pub who: Owner,
     pub claim: Option<IPAMClaim>,
 }
 
@@ -249,7 +249,7 @@ pub async fn report_failure<S: Datastore>(store: &S, claim: &IPAMClaim, error: &
 pub async fn release_unclaimed<S: Datastore>(
     store: &S,
     target: &Target,
-    who: &Attachment,
+    who: &Owner,
 ) -> Result<Vec<IpAddr>, StoreError> {
     let Some(pool) = store.get_pool(&target.pool).await? else {
         return Ok(Vec::new());

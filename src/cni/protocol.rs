@@ -162,7 +162,7 @@ impl Command {
     }
 }
 
-pub use crate::alloc::Attachment;
+pub use crate::alloc::Owner;
 
 /// `CNI_ARGS` (`K=V;K=V`) as whereabouts understands it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -177,6 +177,7 @@ impl<'r> Sliced<'r> {
             range,
             network: self.req.ipam.network_name.clone(),
             overlapping: self.req.ipam.enable_overlapping_ranges,
+            node: Some(self.node.to_owned()),
         })
     }
 

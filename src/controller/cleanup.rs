@@ -320,7 +320,7 @@ async fn release_reservation(
     // Deleted only at the version seen: a reservation taken over by a new container of the same
     // pod since then (a StatefulSet replacement) changed version and is kept.
     let seen = match ctx.caches.reservations.get(&key) {
-        Some(r) => r.spec.is_claim_of(entry).then(|| {
+        Some(r) => crate::ownership::is_claim_of(&r.spec, entry).then(|| {
             (
                 r.uid().unwrap_or_default(),
                 r.resource_version().unwrap_or_default(),
@@ -330,7 +330,7 @@ async fn release_reservation(
             .store
             .get_reservation(&name)
             .await?
-            .filter(|r| r.spec.is_claim_of(entry))
+            .filter(|r| crate::ownership::is_claim_of(&r.spec, entry))
             .map(|r| (r.uid, r.resource_version)),
     };
     if let Some((uid, rv)) = seen {

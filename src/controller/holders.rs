@@ -57,7 +57,7 @@ pub fn why_due(entry: &IPAllocation, ip: Option<IpAddr>, holders: &Holders) -> O
     if !is_pod_gone(entry, &holders.pods) {
         return None;
     }
-    match Holder::of(entry) {
+    match Holder::of_entry(entry) {
         Holder::Pod => None,
         Holder::Claim(claim) => match holders.claims.as_ref()?.get(&claim) {
             None => Some(format!("IPAMClaim {claim} was deleted")),
@@ -210,7 +210,7 @@ async fn holder_gone(
     entry: &IPAllocation,
     ip: Option<IpAddr>,
 ) -> Result<bool, StoreError> {
-    match Holder::of(entry) {
+    match Holder::of_entry(entry) {
         Holder::Pod => Ok(false),
         Holder::Claim(claim) => {
             let (ns, name) = claim.split_once('/').unwrap_or_default();
@@ -241,7 +241,7 @@ async fn holder_gone(
 /// The StatefulSet or IPAMClaim an entry's release is reported on.
 fn holder_reference(entry: &IPAllocation) -> Option<ObjectReference> {
     let (namespace, _) = entry.podref.split_once('/')?;
-    let (api_version, kind, ns, name) = match Holder::of(entry) {
+    let (api_version, kind, ns, name) = match Holder::of_entry(entry) {
         Holder::Pod => return None,
         Holder::StatefulSet(name) => ("apps/v1", "StatefulSet", namespace.to_owned(), name),
         Holder::Claim(claim) => {

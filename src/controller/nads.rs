@@ -1,7 +1,7 @@
 //! Keeping pools in step with networks.
 //!
-//! Every range of every valid whereabouts NAD has its IPPool, created empty and annotated with the
-//! networks that use it, so `kubectl get ippools` and the metrics show a network before its first
+//! Every range of every valid whereabouts NAD has its IPPool, created empty, labelled with what it
+//! is (network, range) and annotated with the networks that use it, so `kubectl get ippools` and the metrics show a network before its first
 //! pod. A pool whose networks are all gone is deleted while it is empty (with a resourceVersion
 //! precondition, so a plugin writing to it at that moment wins) and kept and reported otherwise.
 //! A NAD that fails validation gets a Warning Event with the validator's message.
@@ -16,6 +16,7 @@ use serde_json::json;
 
 use super::Context;
 use crate::crd::{IPPool, IPPoolSpec, NetworkAttachmentDefinition};
+use crate::ipam::naming::pool_labels;
 use crate::nad_check::{check_spec_config, message};
 
 /// Which networks (`<ns>/<nad>`) use a pool; written by the operator.
@@ -23,10 +24,21 @@ pub const NETWORKS_ANNOTATION: &str = "whereabouts.cni.cncf.io/networks";
 
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Desired {
-    /// Pool name -> (range, networks using it).
-    pub pools: BTreeMap<String, (String, BTreeSet<String>)>,
+    /// By pool name.
+    pub pools: BTreeMap<String, DesiredPool>,
     /// NADs whose whereabouts config is invalid: (NAD, resourceVersion, message).
     pub invalid: Vec<(String, String, String)>,
+}
+
+/// A pool some NADs call for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct DesiredPool {
+    pub range: String,
+    /// The networks (`<ns>/<nad>`) using it.
+    pub networks: BTreeSet<String>,
+    /// What the pool is (`ipam::naming::pool_labels`): written on pools that lack them, so that
+    /// an upstream pool, once a NAD names it, is known by its labels rather than its name.
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The pools the NADs call for, and the NADs that are invalid. Pure.
@@ -50,11 +62,16 @@ pub fn desired(nads: &[Arc<NetworkAttachmentDefinition>]) -> Desired {
         }
         // A sliced range allocates from its slices' pools, which the nodes create.
         for range in check.ranges.iter().filter(|r| r.slices.is_none()) {
+            let cidr = range.range.cidr();
             let entry = d
                 .pools
                 .entry(range.pool_name())
-                .or_insert_with(|| (range.range.cidr().to_string(), BTreeSet::new()));
-            entry.1.insert(network.clone());
+                .or_insert_with(|| DesiredPool {
+                    range: cidr.to_string(),
+                    networks: BTreeSet::new(),
+                    labels: pool_labels(range.network_name.as_deref(), cidr, None),
+                });
+            entry.networks.insert(network.clone());
         }
     }
     d
@@ -90,12 +107,21 @@ pub async fn reconcile(
         .map(|p| (p.name_any(), p))
         .collect();
     let mut writes = 0;
-    for (name, (range, networks)) in &d.pools {
-        let value = networks_value(networks);
+    for (name, want) in &d.pools {
+        let value = networks_value(&want.networks);
         match cached.get(name) {
-            None => writes += create(&api, name, range, &value).await?,
-            Some(p) if p.annotations().get(NETWORKS_ANNOTATION) != Some(&value) => {
-                let patch = json!({"metadata": {"annotations": {NETWORKS_ANNOTATION: value}}});
+            None => writes += create(&api, name, want, &value).await?,
+            Some(p)
+                if p.annotations().get(NETWORKS_ANNOTATION) != Some(&value)
+                    || want
+                        .labels
+                        .iter()
+                        .any(|(k, v)| p.labels().get(k) != Some(v)) =>
+            {
+                let patch = json!({"metadata": {
+                    "annotations": {NETWORKS_ANNOTATION: value},
+                    "labels": want.labels,
+                }});
                 api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await?;
                 writes += 1;
@@ -114,18 +140,19 @@ pub async fn reconcile(
 async fn create(
     api: &Api<IPPool>,
     name: &str,
-    range: &str,
+    want: &DesiredPool,
     networks: &str,
 ) -> Result<usize, kube::Error> {
     let meta = ObjectMeta {
         name: Some(name.into()),
         annotations: Some([(NETWORKS_ANNOTATION.to_owned(), networks.to_owned())].into()),
+        labels: Some(want.labels.clone()),
         ..Default::default()
     };
     let pool = IPPool {
         metadata: meta,
         spec: IPPoolSpec {
-            range: range.into(),
+            range: want.range.clone(),
             allocations: Default::default(),
         },
         status: None,
@@ -225,8 +252,14 @@ mod tests {
             ["10.0.0.0-24", "blue-10.0.0.0-24", "fd00---64"]
         );
         assert_eq!(
-            d.pools["10.0.0.0-24"].1,
+            d.pools["10.0.0.0-24"].networks,
             BTreeSet::from(["a/dual".to_owned(), "b/same".to_owned()])
+        );
+        let blue = &d.pools["blue-10.0.0.0-24"].labels;
+        assert_eq!(blue[crate::ipam::naming::NETWORK_LABEL], "blue");
+        assert_eq!(
+            d.pools["10.0.0.0-24"].labels[crate::ipam::naming::NETWORK_LABEL],
+            ""
         );
         assert_eq!(d.invalid.len(), 2);
         assert_eq!(

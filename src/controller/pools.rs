@@ -1,8 +1,12 @@
 //! Pools as the operator sees them in its cache, and the pure planning over them.
 //!
-//! A pool names its network (`<network_name>-<normalised cidr>`) and its range, so the offset of
-//! every entry maps back to an address and to the reservation that guards it, without reading any
-//! NAD: cleanup works the same for a NAD that was edited or deleted since the pod started.
+//! A pool says which network it is of, so the offset of every entry maps back to an address and to
+//! the reservation that guards it, without reading any NAD: cleanup works the same for a NAD that
+//! was edited or deleted since the pod started. Pools ours creates carry labels naming their
+//! network, range and node ([`crate::ipam::naming::pool_labels`]), and the labels decide. Only an
+//! unlabelled pool (upstream's) is read by its name (`[<network_name>-]<normalised cidr>`, or a
+//! node slice's `[<network_name>-]<node>-<slice>` as the NodeSlicePools describe them); the
+//! operator labels such a pool once it knows it from a NAD or a NodeSlicePool.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -13,7 +17,7 @@ use kube::ResourceExt;
 use crate::alloc::Target;
 use crate::crd::{IPAllocation, IPPool, NodeSlicePool};
 use crate::ipam::AddrRange;
-use crate::ipam::naming::{pool_name, reservation_name};
+use crate::ipam::naming::{labelled_network, pool_name, reservation_name};
 use crate::ipam::slices::{is_slice_of, parse_slice_size};
 use crate::ownership::{PodIdentity, belongs_to};
 
@@ -23,7 +27,21 @@ pub struct PoolView {
     pub name: String,
     pub range: AddrRange,
     pub network_name: Option<String>,
+    /// Where the network was read from: the labels decide; a name is a guess.
+    pub known_by: KnownBy,
     pub entries: BTreeMap<u128, IPAllocation>,
+}
+
+/// How the operator knows a pool's network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnownBy {
+    /// Its labels, which compose its name (ours, or labelled by the operator).
+    Labels,
+    /// Its name, as a NodeSlicePool describes its slices.
+    SliceIndex,
+    /// Its name alone: a node slice pool that no NodeSlicePool describes reads as a pool of
+    /// network `<network>-<node>`.
+    Name,
 }
 
 impl PoolView {
@@ -39,9 +57,13 @@ impl PoolView {
         let name = pool.metadata.name.clone()?;
         let cidr: ipnet::IpNet = pool.spec.range.parse().ok()?;
         let range = AddrRange::new(cidr, None, None, &[]).ok()?;
-        let network_name = match slices.network_of(&name, cidr) {
-            Some(network) => network,
-            None => network_of(&name, cidr)?,
+        let labels = pool.metadata.labels.clone().unwrap_or_default();
+        let (network_name, known_by) = match labelled_network(&name, &labels, cidr) {
+            Some(network) => (network, KnownBy::Labels),
+            None => match slices.network_of(&name, cidr) {
+                Some(network) => (network, KnownBy::SliceIndex),
+                None => (network_of(&name, cidr)?, KnownBy::Name),
+            },
         };
         let entries = pool
             .spec
@@ -53,6 +75,7 @@ impl PoolView {
             name,
             range,
             network_name,
+            known_by,
             entries,
         })
     }
@@ -74,6 +97,7 @@ impl PoolView {
             range: self.range.clone(),
             network: self.network_name.clone(),
             overlapping: true,
+            node: None,
         }
     }
 }

@@ -147,17 +147,6 @@ impl From<&IPAllocation> for OverlappingRangeIPReservationSpec {
     }
 }
 
-impl OverlappingRangeIPReservationSpec {
-    /// Whether this reservation is the claim of `entry`: the same pod, and the same container
-    /// when both name one (old upstream reservations carry the pod alone). A release deletes only
-    /// such a reservation: one that a new container of the same pod has taken over (a sandbox
-    /// re-created while the old DEL was still due) is the new attachment's.
-    pub fn is_claim_of(&self, entry: &IPAllocation) -> bool {
-        self.podref == entry.podref
-            && (self.containerid.is_empty() || entry.id.is_empty() || self.containerid == entry.id)
-    }
-}
-
 #[derive(
     CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema,
 )]

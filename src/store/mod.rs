@@ -73,14 +73,6 @@ impl Pool {
             unparsed,
         )
     }
-
-    /// The entry of an attachment, by pod and interface: the idempotency key of ADD.
-    pub fn entry_of(&self, podref: &str, ifname: &str) -> Option<(u128, &IPAllocation)> {
-        self.allocations
-            .iter()
-            .find(|(_, e)| e.podref == podref && e.ifname == ifname)
-            .map(|(o, e)| (*o, e))
-    }
 }
 
 /// Labels a reservation with its pool, so that a writer of that pool can find the claims whose pool
@@ -259,8 +251,14 @@ pub trait Datastore: Send + Sync {
     /// The pool as the API server's cache has it: possibly a moment old, for reads whose
     /// staleness a conditional write catches.
     fn get_pool_cached(&self, name: &str) -> impl Future<Output = Result<Option<Pool>>> + Send;
-    /// Creates an empty pool; `Conflict` when it already exists.
-    fn create_pool(&self, name: &str, range: &str) -> impl Future<Output = Result<Write>> + Send;
+    /// Creates an empty pool with `labels` (what the pool is: network, range, node; see
+    /// `ipam::naming::pool_labels`); `Conflict` when it already exists.
+    fn create_pool(
+        &self,
+        name: &str,
+        range: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> impl Future<Output = Result<Write>> + Send;
     /// Records `entries` if the pool is still at `resource_version`; `Conflict` otherwise.
     fn add_allocations(
         &self,

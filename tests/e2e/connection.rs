@@ -57,7 +57,10 @@ async fn unread_pool_watches_never_stall_the_agents_other_requests() {
     let agent = agent_store(&ns).await;
     // Another node: its own client, so its own connection.
     let other = agent_store(&ns).await;
-    other.create_pool(pool, "10.96.0.0/16").await.unwrap();
+    other
+        .create_pool(pool, "10.96.0.0/16", &Default::default())
+        .await
+        .unwrap();
     // About 400 bytes an entry: a pool object of some 600 KB, as a pool of 1500 pods is.
     fill(&other, pool, 1, 1500, 500).await;
     let start = agent.get_pool(pool).await.unwrap().unwrap();

@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 
 use futures::StreamExt;
 
-use super::{AllocError, Allocated, Attachment, Engine, Target, same_owner};
+use super::{AllocError, Allocated, Engine, Owner, Target, same_owner};
 use crate::crd::IPAllocation;
 use crate::retry::LOST_WRITE;
 use crate::store::{Datastore, Pool, PoolWrite, StoreError};
@@ -44,11 +44,11 @@ const CLAIMS_IN_FLIGHT: usize = 32;
 #[derive(Debug, Clone)]
 pub struct Job {
     pub target: Target,
-    pub who: Attachment,
+    pub who: Owner,
 }
 
 impl Job {
-    pub fn new(target: &Target, who: &Attachment) -> Self {
+    pub fn new(target: &Target, who: &Owner) -> Self {
         Job {
             target: target.clone(),
             who: who.clone(),

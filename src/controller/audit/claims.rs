@@ -22,7 +22,7 @@ use kube::api::{Api, ListParams};
 use super::{Auditor, EntryKey, Report};
 use crate::alloc::CLAIM_LIFETIME;
 use crate::controller::Context;
-use crate::controller::pools::PoolView;
+use crate::controller::pools::{KnownBy, PoolView};
 use crate::crd::{
     IPAllocation, IPPool, NetworkAttachmentDefinition, OverlappingRangeIPReservation,
 };
@@ -153,7 +153,7 @@ pub async fn restore(
         return Ok(Restored::Made);
     }
     Ok(match ctx.store.get_reservation(&name).await? {
-        Some(r) if !r.spec.is_claim_of(entry) => {
+        Some(r) if !crate::ownership::is_claim_of(&r.spec, entry) => {
             tracing::error!(reservation = %name, pool, pod = %entry.podref, holder = %r.spec.podref, "the address of a pool entry is claimed by another pod: two pods may hold it");
             Restored::Foreign
         }
@@ -163,18 +163,26 @@ pub async fn restore(
 
 /// Reservation names every pool entry implies.
 ///
-/// A node slice's pool (`[<network>-]<node>-<slice>`) that no NodeSlicePool describes (deleted
-/// by hand, or not cached yet) reads as a pool of network `<network>-<node>`: so that its live
-/// reservations are never taken for orphans, every shorter `-`-separated prefix of a pool's
-/// network (and the unnamed network) counts as expected too. That only spares some true orphans.
+/// A pool's labels, or the NodeSlicePool that describes it, name its network. An unlabelled node
+/// slice's pool (`[<network>-]<node>-<slice>`, upstream's) that no NodeSlicePool describes
+/// (deleted by hand, or not cached yet) reads as a pool of network `<network>-<node>`: so that its
+/// live reservations are never taken for orphans, every shorter `-`-separated prefix of such a
+/// pool's network (and the unnamed network) counts as expected too. That only spares some true
+/// orphans.
 pub fn expected_reservations(pools: &[PoolView]) -> BTreeSet<String> {
     let mut expected = BTreeSet::new();
     for p in pools {
         let network = p.network_name.as_deref().unwrap_or_default();
-        let prefixes: Vec<Option<&str>> = network
-            .match_indices('-')
-            .map(|(i, _)| Some(&network[..i]))
-            .chain([None, p.network_name.as_deref()])
+        let guesses = (p.known_by == KnownBy::Name).then(|| {
+            network
+                .match_indices('-')
+                .map(|(i, _)| Some(&network[..i]))
+                .chain([None])
+        });
+        let prefixes: Vec<Option<&str>> = guesses
+            .into_iter()
+            .flatten()
+            .chain([p.network_name.as_deref()])
             .collect();
         for ip in p.entries.keys().filter_map(|o| p.ip(*o)) {
             expected.extend(prefixes.iter().map(|n| reservation_name(*n, ip)));

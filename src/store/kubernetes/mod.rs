@@ -13,7 +13,7 @@ mod errors;
 mod requests;
 mod watch;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -145,10 +145,16 @@ impl Datastore for KubeStore {
         }
     }
 
-    async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
+    async fn create_pool(
+        &self,
+        name: &str,
+        range: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> Result<Write> {
         let pool = IPPool {
             metadata: ObjectMeta {
                 name: Some(name.to_owned()),
+                labels: (!labels.is_empty()).then(|| labels.clone()),
                 ..Default::default()
             },
             spec: IPPoolSpec {

@@ -61,6 +61,8 @@ impl Default for MemoryStore {
 #[derive(Default, Clone)]
 struct State {
     pools: BTreeMap<String, (String, BTreeMap<u128, IPAllocation>, u64)>,
+    /// The labels each pool was created with.
+    pool_labels: BTreeMap<String, BTreeMap<String, String>>,
     reservations: BTreeMap<String, Reservation>,
     /// The pool and address each reservation was claimed for.
     claims: BTreeMap<String, (String, std::net::IpAddr)>,
@@ -99,6 +101,11 @@ impl MemoryStore {
         pool.metadata.resource_version =
             Some(format!("s{}", self.next.fetch_add(1, Ordering::Relaxed)));
         self.state.lock().unwrap().slices.insert(name, pool);
+    }
+
+    /// The labels pool `name` was created with.
+    pub fn pool_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.state.lock().unwrap().pool_labels.get(name).cloned()
     }
 
     /// The NodeSlicePool named `name`, as stored.

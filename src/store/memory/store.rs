@@ -49,7 +49,9 @@ impl PoolChanges for MemoryChanges {
     }
 }
 
-fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
+/// The `test` operations the Kubernetes store sends with an entry's removal or replacement
+/// (`store::kubernetes::requests`), as the API server applies them: `id` and `podref` unchanged.
+fn patch_tests_hold(current: &IPAllocation, expected: &IPAllocation) -> bool {
     current.id == expected.id && current.podref == expected.podref
 }
 
@@ -99,7 +101,12 @@ impl Datastore for MemoryStore {
         Ok(self.cached().pool(name))
     }
 
-    async fn create_pool(&self, name: &str, range: &str) -> Result<Write> {
+    async fn create_pool(
+        &self,
+        name: &str,
+        range: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> Result<Write> {
         self.check("create", name)?;
         let mut s = self.state.lock().unwrap();
         if s.pools.contains_key(name) {
@@ -107,6 +114,7 @@ impl Datastore for MemoryStore {
         }
         s.pools
             .insert(name.into(), (range.into(), BTreeMap::new(), 1));
+        s.pool_labels.insert(name.into(), labels.clone());
         drop(s);
         self.writes.send_modify(|n| *n += 1);
         Ok(Write::Done)
@@ -200,7 +208,7 @@ impl Datastore for MemoryStore {
     ) -> Result<Write> {
         self.with_pool("patch", pool, |allocations, _| {
             match allocations.get_mut(&offset) {
-                Some(current) if same_owner(current, expected) => {
+                Some(current) if patch_tests_hold(current, expected) => {
                     *current = entry.clone();
                     Write::Done
                 }
@@ -217,7 +225,7 @@ impl Datastore for MemoryStore {
     ) -> Result<Write> {
         self.with_pool("patch", pool, |allocations, _| {
             match allocations.get(&offset) {
-                Some(current) if same_owner(current, expected) => {
+                Some(current) if patch_tests_hold(current, expected) => {
                     allocations.remove(&offset);
                     Write::Done
                 }

@@ -1,0 +1,210 @@
+//! The one model of who holds an address: an [`Owner`], read the same way from a pool entry, a
+//! reservation (claim) or a CNI request, and a few named comparisons between two owners. Every
+//! writer and every releaser decides through these comparisons; none compares fields itself.
+//!
+//! A field an older writer did not record is empty and means "unknown": upstream writes no pod UID,
+//! very old upstream versions no interface, old upstream reservations no container. Each
+//! comparison says how it treats an unknown field.
+//!
+//! | comparison | asks | used by |
+//! |---|---|---|
+//! | [`Owner::same_attachment`] | one container's interface (CNI's key) | DEL (`alloc::release`, the agent's group release), the withdrawal of a cut-off ADD's claims, CHECK, CNI GC's valid attachments |
+//! | [`Owner::same_container`] | the container of the pod | every conditional entry write: group commit (`alloc::turn`), the agent's groups, removals (`alloc::release`) |
+//! | [`Owner::same_claimant`] | the pod, the container where known | which reservation a release deletes (`alloc::claim`, `controller::cleanup`), the audit's foreign-claim check |
+//! | [`Owner::same_pod_interface`] | the pod's interface, any container | ADD's idempotency (`Owner::held_entry`), taking over a claim |
+//! | [`Owner::same_claim`] | the IPAMClaim | ADD of a claim's next pod, claimed entries |
+//! | [`Owner::incarnation`] | the pod's UID | pod cleanup (`belongs_to`), CNI GC and the audit (`is_stale`), held addresses (`is_pod_gone`) |
+//!
+//! `tests.rs` holds each writer's owner (our plugin, the agent, upstream's versions, a retried
+//! sandbox, a StatefulSet replacement, a DEL without a pod) against each comparison.
+
+use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+
+/// Who an address is for: one container interface of one pod, and what keeps the address past
+/// that pod, if anything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Owner {
+    /// `CNI_CONTAINERID`: the sandbox. A runtime's retry of a failed ADD comes with a new one.
+    pub container_id: String,
+    /// The pod interface (`CNI_IFNAME`, `net1`).
+    pub ifname: String,
+    /// `<namespace>/<name>`; empty when the runtime did not pass the pod (DEL may omit it).
+    pub podref: String,
+    /// `K8S_POD_UID`: tells two pods of one name apart (a StatefulSet's replacement).
+    pub pod_uid: String,
+    /// What keeps the address past this pod, if anything.
+    pub holder: Holder,
+}
+
+/// What holds an address beyond the pod it was given to. A held entry is not released by DEL,
+/// CNI GC or the operator's pod cleanup; the operator frees it when its holder goes away.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Holder {
+    /// Nothing: the address lives and dies with the attachment.
+    #[default]
+    Pod,
+    /// The StatefulSet (its name) whose pod this is, on a `sticky_statefulset` network: the
+    /// ordinal keeps the address while the StatefulSet has it.
+    StatefulSet(String),
+    /// An IPAMClaim, `<namespace>/<name>`: every pod that refers to it gets its address.
+    Claim(String),
+}
+
+/// Whether two owners are the same incarnation of a pod (see [`Owner::incarnation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Incarnation {
+    /// The same pod name and the same recorded UID.
+    Same,
+    /// Another pod: another name, or the same name with another UID (a replacement).
+    Other,
+    /// The same name, and one side recorded no UID: only other evidence (the pod's Multus
+    /// network-status) can tell.
+    Unknown,
+}
+
+impl Holder {
+    fn of(claim: &str, statefulset: &str) -> Holder {
+        if !claim.is_empty() {
+            Holder::Claim(claim.to_owned())
+        } else if !statefulset.is_empty() {
+            Holder::StatefulSet(statefulset.to_owned())
+        } else {
+            Holder::Pod
+        }
+    }
+
+    /// The holder an entry records.
+    pub fn of_entry(entry: &IPAllocation) -> Holder {
+        Holder::of(&entry.ipamclaimref, &entry.statefulset)
+    }
+
+    /// True when something other than the pod holds the address.
+    pub fn is_held(&self) -> bool {
+        *self != Holder::Pod
+    }
+
+    fn claim_ref(&self) -> String {
+        match self {
+            Holder::Claim(claim) => claim.clone(),
+            _ => String::new(),
+        }
+    }
+
+    fn statefulset(&self) -> String {
+        match self {
+            Holder::StatefulSet(name) => name.clone(),
+            _ => String::new(),
+        }
+    }
+}
+
+/// Equal, or unknown on either side.
+fn agree(a: &str, b: &str) -> bool {
+    a.is_empty() || b.is_empty() || a == b
+}
+
+impl Owner {
+    /// The owner a pool entry records.
+    pub fn of_entry(entry: &IPAllocation) -> Owner {
+        Owner {
+            container_id: entry.id.clone(),
+            ifname: entry.ifname.clone(),
+            podref: entry.podref.clone(),
+            pod_uid: entry.poduid.clone(),
+            holder: Holder::of_entry(entry),
+        }
+    }
+
+    /// The owner a reservation (a claim) records.
+    pub fn of_claim(spec: &OverlappingRangeIPReservationSpec) -> Owner {
+        Owner {
+            container_id: spec.containerid.clone(),
+            ifname: spec.ifname.clone(),
+            podref: spec.podref.clone(),
+            pod_uid: spec.poduid.clone(),
+            holder: Holder::of(&spec.ipamclaimref, &spec.statefulset),
+        }
+    }
+
+    /// The pool entry recording this owner.
+    pub fn entry(&self) -> IPAllocation {
+        IPAllocation {
+            id: self.container_id.clone(),
+            podref: self.podref.clone(),
+            ifname: self.ifname.clone(),
+            poduid: self.pod_uid.clone(),
+            ipamclaimref: self.holder.claim_ref(),
+            statefulset: self.holder.statefulset(),
+        }
+    }
+
+    /// The reservation (claim) recording this owner.
+    pub fn claim(&self) -> OverlappingRangeIPReservationSpec {
+        OverlappingRangeIPReservationSpec::from(&self.entry())
+    }
+
+    /// The same attachment in CNI's sense: one container's interface (`CNI_CONTAINERID` and
+    /// `CNI_IFNAME`; the pod is not part of the key, and a DEL may omit it). An entry without an
+    /// interface (very old upstream versions) counts as its container's only one. What a DEL
+    /// releases, which unrecorded claim an ADD's earlier attempt left, what CHECK and CNI GC find.
+    pub fn same_attachment(&self, other: &Owner) -> bool {
+        !self.container_id.is_empty()
+            && self.container_id == other.container_id
+            && agree(&self.ifname, &other.ifname)
+    }
+
+    /// The same container of the same pod, whatever interface each recorded: what a conditional
+    /// removal or replacement of an entry holds on (the JSON Patch `test` of `id` and `podref`),
+    /// so that an address re-bound to a newer container is never released by the older one.
+    pub fn same_container(&self, other: &Owner) -> bool {
+        self.container_id == other.container_id && self.podref == other.podref
+    }
+
+    /// The same pod, and the same container where both recorded one (old upstream reservations
+    /// name the pod alone): which reservation is the claim of an entry, the one its release may
+    /// delete. One that a newer container of the pod took over is the newer attachment's.
+    pub fn same_claimant(&self, other: &Owner) -> bool {
+        self.podref == other.podref && agree(&self.container_id, &other.container_id)
+    }
+
+    /// The same interface of the same pod, in any of its containers (a sandbox re-created, a
+    /// StatefulSet replacement): the address an ADD returns again, and whose reservation a new
+    /// container takes over.
+    pub fn same_pod_interface(&self, other: &Owner) -> bool {
+        self.podref == other.podref && self.ifname == other.ifname
+    }
+
+    /// Held by the same IPAMClaim: every pod of a claim gets the claim's address.
+    pub fn same_claim(&self, other: &Owner) -> bool {
+        matches!((&self.holder, &other.holder), (Holder::Claim(a), Holder::Claim(b)) if a == b)
+    }
+
+    /// Whether a reservation of `other` is this owner's to take over: the same claim, or the same
+    /// pod interface.
+    pub fn may_take_over(&self, other: &Owner) -> bool {
+        self.same_claim(other) || self.same_pod_interface(other)
+    }
+
+    /// Whether `other` is the same incarnation of this owner's pod: the UID decides where both
+    /// recorded one.
+    pub fn incarnation(&self, other: &Owner) -> Incarnation {
+        if self.podref != other.podref {
+            Incarnation::Other
+        } else if self.pod_uid.is_empty() || other.pod_uid.is_empty() {
+            Incarnation::Unknown
+        } else if self.pod_uid == other.pod_uid {
+            Incarnation::Same
+        } else {
+            Incarnation::Other
+        }
+    }
+
+    /// The live pod `podref` with runtime UID `uid` (see [`crate::crd::pod::runtime_uid`]).
+    pub fn pod(podref: &str, uid: &str) -> Owner {
+        Owner {
+            podref: podref.to_owned(),
+            pod_uid: uid.to_owned(),
+            ..Owner::default()
+        }
+    }
+}
