@@ -311,4 +311,33 @@ pub(crate) mod tests {
             "without the index"
         );
     }
+
+    #[test]
+    fn a_labelled_pool_is_known_by_its_labels_not_its_name() {
+        use crate::ipam::naming::pool_labels;
+        let cidr = "10.0.4.0/24".parse().unwrap();
+        let mut p = pool(
+            "blue-node-1-10.0.4.0-24",
+            "10.0.4.0/24",
+            &[(5, "ns/a", "ua")],
+        );
+        p.metadata.labels = Some(pool_labels(Some("blue"), cidr, Some("node-1")));
+        // No NodeSlicePool describes it (deleted by hand, or not cached yet): its labels still do.
+        let view = PoolView::from_pool(&p).unwrap();
+        assert_eq!(view.network_name.as_deref(), Some("blue"));
+        assert_eq!(view.known_by, KnownBy::Labels);
+        assert_eq!(view.reservation_of(5).unwrap(), "blue-10.0.4.5");
+        // Labels that do not compose the name were not written for this pool: read by name.
+        p.metadata.labels = Some(pool_labels(Some("red"), cidr, Some("node-1")));
+        let view = PoolView::from_pool(&p).unwrap();
+        assert_eq!(view.known_by, KnownBy::Name);
+        assert_eq!(view.network_name.as_deref(), Some("blue-node-1"));
+        // The audit guesses other networks' reservations for a pool known by name alone.
+        let guessed = crate::controller::audit::expected_reservations(&[view]);
+        assert!(guessed.contains("blue-10.0.4.5") && guessed.contains("10.0.4.5"));
+        p.metadata.labels = Some(pool_labels(Some("blue"), cidr, Some("node-1")));
+        let known = PoolView::from_pool(&p).unwrap();
+        let expected = crate::controller::audit::expected_reservations(&[known]);
+        assert_eq!(expected.into_iter().collect::<Vec<_>>(), ["blue-10.0.4.5"]);
+    }
 }

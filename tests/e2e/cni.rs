@@ -39,10 +39,12 @@ fn design_discussion_configs_give_the_expected_addresses_in_order() {
         json!({"id": "c2", "podref": format!("{}/pod2", ns.name), "ifname": "net1", "poduid": "u2"})
     );
     assert_eq!(v6["23"]["id"], "c3");
-    assert_eq!(
-        ns.get_json(&["ippool", "12.12.12.0-24"]).unwrap()["spec"]["range"],
-        "12.12.12.0/24"
-    );
+    let pool = ns.get_json(&["ippool", "12.12.12.0-24"]).unwrap();
+    assert_eq!(pool["spec"]["range"], "12.12.12.0/24");
+    // What the pool is, in labels: the unnamed network, its range.
+    let labels = &pool["metadata"]["labels"];
+    assert_eq!(labels["whereabouts.cni.cncf.io/network"], "");
+    assert_eq!(labels["whereabouts.cni.cncf.io/range"], "12.12.12.0-24");
     let res = ns.reservations();
     assert_eq!(res["2001--17"]["podref"], format!("{}/pod3", ns.name));
     assert!(res.contains_key("10.10.10.22"));

@@ -358,6 +358,10 @@ fn a_dual_stack_nad_creates_both_pools_and_deleting_it_removes_them() {
         pool["metadata"]["annotations"]["whereabouts.cni.cncf.io/networks"],
         format!("{}/dual", ns.name)
     );
+    // The pool says what it is: nobody parses its name.
+    let labels = &pool["metadata"]["labels"];
+    assert_eq!(labels["whereabouts.cni.cncf.io/network"], "e2e-nad");
+    assert_eq!(labels["whereabouts.cni.cncf.io/range"], "fd00-75---64");
     ns.kubectl_ok(&["delete", "network-attachment-definition", "dual"]);
     assert!(
         eventually(40, || pools

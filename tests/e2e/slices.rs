@@ -456,6 +456,14 @@ fn upstreams_plugin_and_ours_share_an_upstream_written_node_slice_pool() {
     let s = slices_of(&ns, &net);
     assert_eq!(s[&n1.name], ["10.93.0.64/26"], "{}", op.log());
     assert_eq!(s[&n2.name], ["10.93.0.0/26"]);
+    // Upstream's pool is labelled once the NodeSlicePool says whose slice it is.
+    let labelled = || {
+        let labels = ns.get_json(&["ippool", &pool]).unwrap()["metadata"]["labels"].clone();
+        labels["whereabouts.cni.cncf.io/network"] == net.as_str()
+            && labels["whereabouts.cni.cncf.io/node"] == n1.name.as_str()
+            && labels["whereabouts.cni.cncf.io/range"] == "10.93.0.64-26"
+    };
+    assert!(eventually(20, labelled), "{}", op.log());
 
     // Upstream's plugin (node-slice mode, NODENAME) and ours at once on n1's slice.
     let up = upstream_bin();

@@ -18,12 +18,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use kube::ResourceExt;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 
 use super::Context;
 use crate::config::NodeSlice;
-use crate::crd::{NetworkAttachmentDefinition, NodeSlicePool, NodeSlicePoolStatus};
+use crate::crd::{IPPool, NetworkAttachmentDefinition, NodeSlicePool, NodeSlicePoolStatus};
 use crate::ipam::AddrRange;
+use crate::ipam::naming::{NETWORK_LABEL, pool_labels, slice_pool_name};
 use crate::nad_check::check_spec_config;
 
 /// Marks the NodeSlicePools this operator created (it deletes only those once unused).
@@ -90,10 +91,12 @@ pub fn slice_networks(
     (networks, conflicts)
 }
 
+mod live;
 mod plan;
 #[cfg(test)]
 mod tests;
 
+pub use live::LivePools;
 pub use plan::{Plan, plan};
 
 /// Brings every NodeSlicePool in step with its plan; returns the number of writes. Warnings (NADs
@@ -113,14 +116,8 @@ pub async fn reconcile(
         .iter()
         .map(|n| n.name_any())
         .collect();
-    let live: BTreeSet<String> = ctx
-        .caches
-        .pools
-        .state()
-        .iter()
-        .filter(|p| !p.spec.allocations.is_empty())
-        .map(|p| p.name_any())
-        .collect();
+    let pools = ctx.caches.pools.state();
+    let live = LivePools::of(pools.iter().map(AsRef::as_ref));
     let stored: HashMap<String, Arc<NodeSlicePool>> = ctx
         .caches
         .slice_pools
@@ -143,6 +140,7 @@ pub async fn reconcile(
         tell(ctx, reported, net, &plan).await;
         if !ctx.opts.dry_run {
             writes += write(&api, &net.name, current, &plan).await?;
+            writes += label_slice_pools(ctx, net, &plan, &pools).await?;
         }
     }
     ctx.metrics.set_node_slices(&gauges);
@@ -152,6 +150,43 @@ pub async fn reconcile(
             .filter(|p| !networks.contains_key(&p.name_any()))
         {
             writes += retire(&api, pool, &live).await?;
+        }
+    }
+    Ok(writes)
+}
+
+/// Labels the unlabelled pools (upstream's) of the slices `plan` assigns: the NodeSlicePool now
+/// says whose slice of which network each is, so from here on its labels say it (see
+/// `ipam::naming::pool_labels`), and nobody parses its name.
+async fn label_slice_pools(
+    ctx: &Context,
+    net: &SliceNetwork,
+    plan: &Plan,
+    pools: &[Arc<IPPool>],
+) -> Result<usize, kube::Error> {
+    let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
+    let mut writes = 0;
+    for a in plan.allocations.iter().filter(|a| !a.node_name.is_empty()) {
+        let Ok(slice) = a.slice_range.parse::<ipnet::IpNet>() else {
+            continue;
+        };
+        let network = net.network_name.as_deref();
+        let name = slice_pool_name(network, &a.node_name, slice);
+        let unlabelled = pools
+            .iter()
+            .any(|p| p.name_any() == name && !p.labels().contains_key(NETWORK_LABEL));
+        let labels = pool_labels(network, slice, Some(&a.node_name));
+        if !unlabelled || labels.is_empty() {
+            continue;
+        }
+        let patch = serde_json::json!({"metadata": {"labels": labels}});
+        match api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => writes += 1,
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(writes)
@@ -252,17 +287,13 @@ async fn write(
 async fn retire(
     api: &Api<NodeSlicePool>,
     pool: &NodeSlicePool,
-    live: &BTreeSet<String>,
+    live: &LivePools,
 ) -> Result<usize, kube::Error> {
     let ours = pool.labels().get(MANAGED_LABEL).map(String::as_str) == Some(MANAGER);
-    // A slice pool is `[<network>-]<node>-<slice>`; the NodeSlicePool does not say whether its
-    // network is named, so either form counts.
     let in_use = pool.status.iter().flat_map(|s| &s.allocations).any(|a| {
-        let bare = format!("{}-{}", a.node_name, a.slice_range.replace([':', '/'], "-"));
-        !a.node_name.is_empty()
-            && live
-                .iter()
-                .any(|p| *p == bare || p.ends_with(&format!("-{bare}")))
+        a.slice_range
+            .parse()
+            .is_ok_and(|slice| live.slice_in_use(&a.node_name, slice))
     });
     if !ours || in_use || !super::delete_unchanged(api, pool).await? {
         return Ok(0);

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use ipnet::IpNet;
 
 use super::SliceNetwork;
+pub use super::live::LivePools;
 use crate::crd::{NodeSliceAllocation, NodeSlicePool, NodeSlicePoolSpec};
 use crate::ipam::AddrRange;
 use crate::ipam::naming::slice_pool_name;
@@ -36,7 +37,7 @@ pub fn plan(
     net: &SliceNetwork,
     current: Option<&NodeSlicePool>,
     nodes: &BTreeSet<String>,
-    live: &BTreeSet<String>,
+    live: &LivePools,
 ) -> Plan {
     let wanted = NodeSlicePoolSpec {
         range: net.range.cidr().trunc().to_string(),
@@ -111,7 +112,7 @@ fn old_layout(
     net: &SliceNetwork,
     spec: &NodeSlicePoolSpec,
     assign: &[(IpNet, String)],
-    live: &BTreeSet<String>,
+    live: &LivePools,
 ) -> Option<(AddrRange, Vec<(IpNet, String)>)> {
     let any_live = assign.iter().any(|(slice, node)| {
         !node.is_empty()
@@ -126,34 +127,21 @@ fn old_layout(
     Some((whole, assign.to_vec()))
 }
 
-/// For each slice whose pool holds entries for some node: that node (the first by name).
+/// For each slice whose pool holds entries for some node: that node (see [`LivePools::owner`]).
 fn live_owners(
     net: &SliceNetwork,
     layout: impl Iterator<Item = IpNet>,
-    live: &BTreeSet<String>,
+    live: &LivePools,
 ) -> BTreeMap<IpNet, String> {
-    let prefix = match net.network_name.as_deref() {
-        Some(n) if !n.is_empty() => format!("{n}-"),
-        _ => String::new(),
-    };
-    let mut owners = BTreeMap::new();
-    for slice in layout {
-        let suffix = format!("-{}", slice.trunc().to_string().replace([':', '/'], "-"));
-        let node = live.iter().find_map(|pool| {
-            let node = pool.strip_prefix(&prefix)?.strip_suffix(&suffix)?;
-            (!node.is_empty()).then(|| node.to_owned())
-        });
-        if let Some(node) = node {
-            owners.insert(slice, node);
-        }
-    }
-    owners
+    layout
+        .filter_map(|slice| Some((slice, live.owner(net.network_name.as_deref(), slice)?)))
+        .collect()
 }
 
 /// A slice whose pool holds entries belongs to that pool's node, whatever the stored object says
 /// (it was deleted or edited by hand): giving it to another node would hand out its addresses
 /// again from another pool.
-fn keep_live_slices(net: &SliceNetwork, assign: &mut [(IpNet, String)], live: &BTreeSet<String>) {
+fn keep_live_slices(net: &SliceNetwork, assign: &mut [(IpNet, String)], live: &LivePools) {
     let owners = live_owners(net, assign.iter().map(|(s, _)| *s), live);
     for (slice, node) in assign.iter_mut() {
         let Some(owner) = owners.get(slice) else {
@@ -172,7 +160,7 @@ fn release_departed(
     net: &SliceNetwork,
     assign: &mut [(IpNet, String)],
     nodes: &BTreeSet<String>,
-    live: &BTreeSet<String>,
+    live: &LivePools,
 ) {
     for (slice, node) in assign.iter_mut() {
         if node.is_empty() || nodes.contains(node.as_str()) {

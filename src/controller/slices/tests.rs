@@ -44,6 +44,10 @@ fn stored(range: &str, size: &str, slices: &[(&str, &str)]) -> NodeSlicePool {
     p
 }
 
+fn live_pools(names: &[&str]) -> LivePools {
+    LivePools::named(names.iter().copied())
+}
+
 fn set(items: &[&str]) -> BTreeSet<String> {
     items.iter().map(|s| (*s).to_owned()).collect()
 }
@@ -61,7 +65,7 @@ fn a_new_network_gives_nodes_slices_in_order() {
         &net("10.0.0.0/24", "/26", &[]),
         None,
         &set(&["c", "a", "b"]),
-        &set(&[]),
+        &live_pools(&[]),
     );
     assert_eq!(owners(&p), ["a", "b", "c", ""]);
     assert_eq!(p.allocations[3].slice_range, "10.0.0.192/26");
@@ -84,10 +88,10 @@ fn assignments_are_kept_and_departed_nodes_released_once_drained() {
         ],
     );
     // "gone" still has addresses in its pool: kept; "left" is drained: its slice goes to "a".
-    let live = set(&["blue-gone-10.0.0.64-26"]);
+    let live = live_pools(&["blue-gone-10.0.0.64-26"]);
     let p = plan(&n, Some(&cur), &set(&["a", "b"]), &live);
     assert_eq!(owners(&p), ["b", "gone", "a", ""]);
-    let p = plan(&n, Some(&cur), &set(&["a", "b"]), &set(&[]));
+    let p = plan(&n, Some(&cur), &set(&["a", "b"]), &live_pools(&[]));
     assert_eq!(owners(&p), ["b", "a", "", ""]);
 }
 
@@ -97,7 +101,7 @@ fn more_nodes_than_slices_are_reported() {
         &net("10.0.0.0/25", "/26", &[]),
         None,
         &set(&["a", "b", "c"]),
-        &set(&[]),
+        &live_pools(&[]),
     );
     assert_eq!(owners(&p), ["a", "b"]);
     assert_eq!(p.starved, ["c"]);
@@ -106,14 +110,14 @@ fn more_nodes_than_slices_are_reported() {
 #[test]
 fn a_slice_without_a_usable_address_is_not_given() {
     let n = net("10.0.0.0/24", "/26", &["10.0.0.64/26"]);
-    let p = plan(&n, None, &set(&["a", "b"]), &set(&[]));
+    let p = plan(&n, None, &set(&["a", "b"]), &live_pools(&[]));
     assert_eq!(owners(&p), ["a", "", "b", ""]);
 }
 
 #[test]
 fn live_pools_rebuild_a_deleted_object_and_undo_a_hand_edit() {
     let n = net("10.0.0.0/24", "/26", &[]);
-    let live = set(&["blue-b-10.0.0.64-26", "other-x-10.0.0.0-26"]);
+    let live = live_pools(&["blue-b-10.0.0.64-26", "other-x-10.0.0.0-26"]);
     let p = plan(&n, None, &set(&["a", "b"]), &live);
     assert_eq!(
         owners(&p),
@@ -146,7 +150,7 @@ fn a_new_layout_waits_for_the_old_one_to_drain() {
         &n,
         Some(&cur),
         &set(&["a", "b"]),
-        &set(&["blue-a-10.0.0.0-26"]),
+        &live_pools(&["blue-a-10.0.0.0-26"]),
     );
     assert_eq!(p.spec.slice_size, "/26");
     assert_eq!(
@@ -155,7 +159,7 @@ fn a_new_layout_waits_for_the_old_one_to_drain() {
         "new nodes still get old slices"
     );
     assert!(p.kept.as_ref().unwrap().contains("still hold addresses"));
-    let p = plan(&n, Some(&cur), &set(&["a", "b"]), &set(&[]));
+    let p = plan(&n, Some(&cur), &set(&["a", "b"]), &live_pools(&[]));
     assert_eq!(p.spec.slice_size, "/25");
     assert_eq!(owners(&p), ["a", "b"]);
     assert!(p.kept.is_none());
@@ -190,4 +194,48 @@ fn nads_of_one_network_must_agree() {
         "{}",
         conflicts[0].1
     );
+}
+
+/// A labelled pool says whose slice of which network it is; its name alone would mislead: for
+/// the unnamed network `blue-b-<slice>` reads as node `blue-b`'s, while its labels say it is node
+/// `b`'s slice of network `blue`, another network.
+#[test]
+fn labels_not_names_decide_whose_live_slice_a_pool_is() {
+    use crate::crd::{IPAllocation, IPPool, IPPoolSpec};
+    use crate::ipam::naming::pool_labels;
+    let slice: IpNet = "10.0.0.64/26".parse().unwrap();
+    let mut pool = IPPool::new(
+        "blue-b-10.0.0.64-26",
+        IPPoolSpec {
+            range: slice.to_string(),
+            allocations: [("1".to_owned(), IPAllocation::default())].into(),
+        },
+    );
+    let unnamed = SliceNetwork {
+        network_name: None,
+        ..net("10.0.0.0/24", "/26", &[])
+    };
+    let by_name = LivePools::of([&pool]);
+    let p = plan(&unnamed, None, &set(&["a", "b"]), &by_name);
+    assert_eq!(
+        owners(&p),
+        ["a", "blue-b", "b", ""],
+        "upstream's pool: read by its name"
+    );
+    pool.metadata.labels = Some(pool_labels(Some("blue"), slice, Some("b")));
+    let labelled = LivePools::of([&pool]);
+    let p = plan(&unnamed, None, &set(&["a", "b"]), &labelled);
+    assert_eq!(owners(&p), ["a", "b", "", ""], "another network's slice");
+    let p = plan(
+        &net("10.0.0.0/24", "/26", &[]),
+        None,
+        &set(&["a", "c"]),
+        &labelled,
+    );
+    assert_eq!(
+        owners(&p),
+        ["a", "b", "c", ""],
+        "network blue: b keeps its live slice"
+    );
+    assert!(labelled.slice_in_use("b", slice) && !labelled.slice_in_use("a", slice));
 }
