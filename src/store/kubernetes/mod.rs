@@ -22,16 +22,16 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, Datastore, IP_ANNOTATION, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
-    RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn,
-    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
+    CLAIMED_LABEL, Datastore, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite, RELEASING_LABEL,
+    RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write,
+    claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
-    IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, IPPoolSpec, NodeSlicePool,
-    OverlappingRangeIPReservation, OverlappingRangeIPReservationSpec,
+    IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, NodeSlicePool, OverlappingRangeIPReservation,
+    OverlappingRangeIPReservationSpec,
 };
 use errors::{api_code, error, is_unserved, retrying};
-use requests::{entry_path, owner_tests};
+use requests::{claim_object, entry_path, owner_tests, pool_object};
 pub use watch::KubeChanges;
 use watch::to_pool;
 
@@ -151,18 +151,7 @@ impl Datastore for KubeStore {
         range: &str,
         labels: &BTreeMap<String, String>,
     ) -> Result<Write> {
-        let pool = IPPool {
-            metadata: ObjectMeta {
-                name: Some(name.to_owned()),
-                labels: (!labels.is_empty()).then(|| labels.clone()),
-                ..Default::default()
-            },
-            spec: IPPoolSpec {
-                range: range.to_owned(),
-                allocations: Default::default(),
-            },
-            status: None,
-        };
+        let pool = pool_object(name, range, labels);
         let post = PostParams::default();
         match retrying(|| self.pools.create(&post, &pool)).await {
             Ok(_) => Ok(Write::Done),
@@ -311,27 +300,7 @@ impl Datastore for KubeStore {
         pool: &str,
         ip: std::net::IpAddr,
     ) -> Result<(Write, String)> {
-        // Label values are at most 63 characters: a longer pool name only loses group commit.
-        let labels = (pool.len() <= 63).then(|| {
-            [
-                (POOL_LABEL.to_owned(), pool.to_owned()),
-                (
-                    CLAIMED_LABEL.to_owned(),
-                    claim_bucket(now_secs()).to_string(),
-                ),
-            ]
-            .into()
-        });
-        let metadata = ObjectMeta {
-            name: Some(name.to_owned()),
-            labels,
-            annotations: Some([(IP_ANNOTATION.to_owned(), ip.to_string())].into()),
-            ..Default::default()
-        };
-        let obj = OverlappingRangeIPReservation {
-            metadata,
-            spec: spec.clone(),
-        };
+        let obj = claim_object(name, spec, pool, ip);
         let post = PostParams::default();
         match retrying(|| self.reservations.create(&post, &obj)).await {
             Ok(created) => Ok((Write::Done, created.metadata.uid.unwrap_or_default())),

@@ -1,14 +1,23 @@
 //! The requests behind the [`Datastore`](crate::store::Datastore) operations that take more than one
 //! call of kube's API: conditional pool patches, reservation patches, claims lists, Lease deletes.
 
+use std::collections::BTreeMap;
+
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
+use kube::core::ObjectMeta;
 use serde_json::{Value, json};
 
 use super::KubeStore;
 use super::errors::{api_code, error, retrying};
 use super::watch::to_pool;
-use crate::crd::IPAllocation;
-use crate::store::{IP_ANNOTATION, PoolClaim, PoolWrite, Result, TURN_SECONDS, Write};
+use crate::crd::{
+    IPAllocation, IPPool, IPPoolSpec, OverlappingRangeIPReservation,
+    OverlappingRangeIPReservationSpec,
+};
+use crate::store::{
+    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, PoolClaim, PoolWrite, Result, TURN_SECONDS, Write,
+    claim_bucket, now_secs,
+};
 
 impl KubeStore {
     pub(super) async fn patch_pool(&self, pool: &str, ops: Value) -> Result<Write> {
@@ -131,4 +140,51 @@ pub(super) fn owner_tests(offset: u128, expected: &IPAllocation) -> [Value; 2] {
         json!({"op": "test", "path": format!("{path}/id"), "value": expected.id}),
         json!({"op": "test", "path": format!("{path}/podref"), "value": expected.podref}),
     ]
+}
+
+/// A new, empty pool with `labels` (what it is; none when empty).
+pub(super) fn pool_object(name: &str, range: &str, labels: &BTreeMap<String, String>) -> IPPool {
+    IPPool {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            labels: (!labels.is_empty()).then(|| labels.clone()),
+            ..Default::default()
+        },
+        spec: IPPoolSpec {
+            range: range.to_owned(),
+            allocations: Default::default(),
+        },
+        status: None,
+    }
+}
+
+/// A claim of `ip` for `spec`, labelled with its pool and the time bucket it was made in, so that
+/// the pool's next writer finds it (`claims_of`).
+pub(super) fn claim_object(
+    name: &str,
+    spec: &OverlappingRangeIPReservationSpec,
+    pool: &str,
+    ip: std::net::IpAddr,
+) -> OverlappingRangeIPReservation {
+    // Label values are at most 63 characters: a longer pool name only loses group commit.
+    let labels = (pool.len() <= 63).then(|| {
+        [
+            (POOL_LABEL.to_owned(), pool.to_owned()),
+            (
+                CLAIMED_LABEL.to_owned(),
+                claim_bucket(now_secs()).to_string(),
+            ),
+        ]
+        .into()
+    });
+    let metadata = ObjectMeta {
+        name: Some(name.to_owned()),
+        labels,
+        annotations: Some([(IP_ANNOTATION.to_owned(), ip.to_string())].into()),
+        ..Default::default()
+    };
+    OverlappingRangeIPReservation {
+        metadata,
+        spec: spec.clone(),
+    }
 }
