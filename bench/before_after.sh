@@ -3,8 +3,11 @@
 # engine, the plugin, the agent, the operator or the webhook can move, for an earlier revision
 # (BASE) and HEAD, on one private control plane, alternating where the tool allows it.
 #
-#   bench/before_after.sh BASE_REV            # the full set (about 40 minutes on 2 cores)
+#   bench/before_after.sh BASE_REV            # the full set (about 50 minutes on 2 cores)
 #   QUICK=1 bench/before_after.sh BASE_REV    # one short run of each, to try the script
+#   PARTS="cni nodes" CNI_CONCURRENCY=200 bench/before_after.sh BASE_REV
+#                                             # only these parts (cni, storms, nodes, operator,
+#                                             # webhook, abuse), the CNI scenarios at 200 only
 #
 # Builds (release, glibc, as docs/benchmarks.md's CNI figures): BASE in a temporary worktree with
 # its own target dir, HEAD from the clean tree's commit (git archive), both copied to bench/bin as
@@ -16,6 +19,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 base="$(git rev-parse --short "${1:?usage: bench/before_after.sh BASE_REV}")"
 head="$(git rev-parse --short HEAD)"
 quick="${QUICK:-0}"
+parts=" ${PARTS:-cni storms nodes operator webhook abuse} "
+part() { [[ "$parts" == *" $1 "* ]]; }
 out="$PWD/bench/results/before-after-$base-$head-$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$out" bench/bin
 export WHEREABOUTS_E2E_STATE=/tmp/wa-bench-state
@@ -49,14 +54,16 @@ kubectl() { e2e/bin/kubectl --kubeconfig "$kubeconfig" "$@"; }
 kubectl apply -f crds/ >/dev/null
 
 # 1. CNI allocation: both builds with and without their node agent, and upstream, alternating.
+if part cni; then
 log "CNI allocation"
 if [[ "$quick" == 1 ]]; then cni_args=(--seq 10 --concurrency 50 --repeat 1); else
-  cni_args=(--seq 50 --concurrency 50,100,200 --repeat 3); fi
+  cni_args=(--seq 50 --concurrency "${CNI_CONCURRENCY:-50,100,200}" --repeat 3); fi
 python3 bench/cni_bench.py --kubeconfig "$kubeconfig" --keep-cluster \
   --impls ours-agent,ours-agent-baseline,ours,ours-baseline,upstream \
   --ours "$P_A" --operator "$O_A" \
   --baseline "$P_B=ours at $base" --baseline-operator "$O_B=ours at $base, node agent" \
   "${cni_args[@]}" --quiet-wait 0 >"$out/cni.md" 2>"$out/cni.log"
+fi
 
 # 2. DEL storms: 200 ADDs then 200 DELs of one /24, with and without the agent, alternating builds.
 log "DEL storms"
@@ -81,17 +88,30 @@ storm() { # build-label plugin operator mode rep
   kubectl delete namespace "$ns" --wait=false >/dev/null
 }
 runs=3; [[ "$quick" == 1 ]] && runs=1
-for rep in $(seq "$runs"); do
+part storms && for rep in $(seq "$runs"); do
   for mode in agent direct; do
     storm "$head" "$P_A" "$O_A" "$mode" "$rep"
     storm "$base" "$P_B" "$O_B" "$mode" "$rep"
   done
 done
 
+# 2b. Many nodes, one network: 10 simulated nodes x 100 ADDs through their agents into node
+# slices (the operator assigns them), each build twice, alternating.
+if part nodes; then
+  log "nodes: slices and agents"
+  nodes_args=(--modes ours-slices --nodes 10 --per-node 100)
+  [[ "$quick" == 1 ]] && nodes_args=(--modes ours-slices --nodes 2 --per-node 10)
+  for rev in "$head" "$base" "$head" "$base"; do
+    echo "== nodes $rev" >>"$out/nodes.md"
+    python3 bench/nodes_bench.py --kubeconfig "$kubeconfig" --keep-cluster "${nodes_args[@]}" \
+      --ours "bench/bin/whereabouts-$rev" --operator "bench/bin/whereabouts-operator-$rev" \
+      --out "$out" >>"$out/nodes.md" 2>>"$out/nodes-$rev.log"
+  done
+fi
+
 # 3. The operator: 1000 pods' addresses released after one deletecollection.
-log "operator"
 op_runs=2; [[ "$quick" == 1 ]] && op_runs=1
-for rev in "$head" "$base"; do
+part operator && log "operator" && for rev in "$head" "$base"; do
   echo "== operator $rev" >>"$out/operator.txt"
   python3 bench/operator_bench.py --kubeconfig "$kubeconfig" --keep-cluster --runs "$op_runs" \
     --parallel 8 --operator "bench/bin/whereabouts-operator-$rev" \
@@ -99,9 +119,8 @@ for rev in "$head" "$base"; do
 done
 
 # 4. The webhook (vegeta against the real operator) and `validate` of 10,000 NADs.
-log "webhook and validate"
 rate=500 duration=30s; [[ "$quick" == 1 ]] && duration=5s
-for rev in "$head" "$base" "$head" "$base"; do
+part webhook && log "webhook and validate" && for rev in "$head" "$base" "$head" "$base"; do
   echo "== webhook $rev" >>"$out/webhook.txt"
   OPERATOR="bench/bin/whereabouts-operator-$rev" bench/webhook_bench.sh "$rate" "$duration" \
     >>"$out/webhook.txt" 2>"$out/webhook-$rev.log"
@@ -109,8 +128,7 @@ for rev in "$head" "$base" "$head" "$base"; do
 done
 
 # 5. The webhook under abuse (no API server): the real router and TLS stack of each build.
-log "webhook under abuse"
-for rev in "$head" "$base"; do
+part abuse && log "webhook under abuse" && for rev in "$head" "$base"; do
   echo "== abuse $rev" >>"$out/abuse.txt"
   python3 bench/webhook_abuse.py --server "bench/bin/webhook_serve-$rev" \
     >>"$out/abuse.txt" 2>"$out/abuse-$rev.log"

@@ -219,6 +219,14 @@ fn each_node_allocates_dual_stack_from_its_own_slices_through_its_agent() {
         pool["spec"],
         json!({"range": "10.90.0.0/22", "sliceSize": "/26"})
     );
+    assert_eq!(
+        pool["metadata"]["labels"]["whereabouts.cni.cncf.io/network"],
+        net.as_str()
+    );
+    assert_eq!(
+        pool["metadata"]["labels"]["whereabouts.cni.cncf.io/range"],
+        "10.90.0.0-22"
+    );
 
     let mut seen = BTreeSet::new();
     for (i, node) in nodes.iter().enumerate() {
@@ -269,6 +277,14 @@ fn each_node_allocates_dual_stack_from_its_own_slices_through_its_agent() {
         let pool = format!("{net}-{}-{}", node.name, slice.replace([':', '/'], "-"));
         let entries = ns.allocations(&pool);
         assert_eq!(entries.len(), 6, "{pool}: {entries:?}");
+        // The agent made it with labels saying whose slice of which network it is.
+        let labels = ns.get_json(&["ippool", &pool]).unwrap()["metadata"]["labels"].clone();
+        assert_eq!(labels["whereabouts.cni.cncf.io/network"], net.as_str());
+        assert_eq!(labels["whereabouts.cni.cncf.io/node"], node.name.as_str());
+        assert_eq!(
+            labels["whereabouts.cni.cncf.io/range"],
+            slice.replace([':', '/'], "-")
+        );
         assert!(
             node.agent.as_ref().unwrap().served() >= 6,
             "the node's agent ran them"

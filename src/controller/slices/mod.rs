@@ -139,7 +139,7 @@ pub async fn reconcile(
         ));
         tell(ctx, reported, net, &plan).await;
         if !ctx.opts.dry_run {
-            writes += write(&api, &net.name, current, &plan).await?;
+            writes += write(&api, net, current, &plan).await?;
             writes += label_slice_pools(ctx, net, &plan, &pools).await?;
         }
     }
@@ -233,14 +233,23 @@ async fn warn_once(
     reported.insert(key, message.to_owned());
 }
 
+/// What a NodeSlicePool this operator creates says of itself: that it manages it, and the
+/// network and range it slices (as a pool's labels do; see `ipam::naming::pool_labels`).
+fn labels_of(net: &SliceNetwork) -> BTreeMap<String, String> {
+    let mut labels = pool_labels(net.network_name.as_deref(), net.range.cidr(), None);
+    labels.insert(MANAGED_LABEL.to_owned(), MANAGER.to_owned());
+    labels
+}
+
 /// Creates the NodeSlicePool, or replaces it at the version read when the plan differs. A lost
 /// race (409) is left for the next pass.
 async fn write(
     api: &Api<NodeSlicePool>,
-    name: &str,
+    net: &SliceNetwork,
     current: Option<&NodeSlicePool>,
     plan: &Plan,
 ) -> Result<usize, kube::Error> {
+    let name = net.name.as_str();
     let status = Some(NodeSlicePoolStatus {
         allocations: plan.allocations.clone(),
     });
@@ -258,7 +267,7 @@ async fn write(
             let pool = NodeSlicePool {
                 metadata: ObjectMeta {
                     name: Some(name.to_owned()),
-                    labels: Some([(MANAGED_LABEL.to_owned(), MANAGER.to_owned())].into()),
+                    labels: Some(labels_of(net)),
                     ..Default::default()
                 },
                 spec: plan.spec.clone(),
