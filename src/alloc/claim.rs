@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use super::{Engine, Owner};
+use super::{Engine, Owned, Owner};
 use crate::crd::IPAllocation;
 use crate::ownership::is_claim_of;
 use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
@@ -41,9 +41,9 @@ pub struct PendingClaim {
 
 impl PendingClaim {
     /// Made by this very container for this interface (an earlier attempt of the same ADD):
-    /// [`Owner::same_attachment`].
+    /// [`Owned::same_attachment`].
     pub fn is_of(&self, who: &Owner) -> bool {
-        Owner::of_entry(&self.entry).same_attachment(who)
+        self.entry.same_attachment(who)
     }
 }
 
@@ -65,7 +65,7 @@ impl<S: Datastore> Engine<'_, S> {
                 return Ok(Claim::Lost);
             }
             match self.store.get_reservation(&name).await? {
-                Some(r) if who.may_take_over(&Owner::of_claim(&r.spec)) => {
+                Some(r) if who.may_take_over(&r.spec) => {
                     return self.take_over(&name, &r, who).await;
                 }
                 Some(r) if r.is_recent() => return Ok(Claim::Race),

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use super::add::Attempt;
 use super::claim::{Claim, PendingClaim};
 use super::pool::ObjectRoom;
-use super::{AllocError, Allocated, Engine, Holder, Owner};
+use super::{AllocError, Allocated, Engine, Holder, Owned, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
 use crate::store::Datastore;
@@ -118,7 +118,7 @@ impl<S: Datastore> Engine<'_, S> {
     async fn held_elsewhere(&self, ip: IpAddr, who: &Owner) -> Result<AllocError, AllocError> {
         let name = self.target.reservation(ip);
         let why = match self.store.get_reservation(&name).await? {
-            Some(r) if !who.may_take_over(&Owner::of_claim(&r.spec)) => format!(
+            Some(r) if !who.may_take_over(&r.spec) => format!(
                 "is reserved by pod {} interface {} (overlappingrangeipreservation {name})",
                 r.spec.podref, r.spec.ifname
             ),

@@ -57,7 +57,7 @@ use crate::ipam::AddrRange;
 use crate::ipam::naming::{pool_labels, reservation_name};
 use crate::store::{Datastore, Pool, StoreError};
 
-pub use crate::ownership::{Holder, Owner};
+pub use crate::ownership::{Holder, Owned, Owner};
 pub use claim::CLAIM_LIFETIME;
 pub use group::Job;
 pub use release::remove_entries;
@@ -106,26 +106,26 @@ impl Target {
 /// The pool lookups of an owner; whose entry is whose is decided by [`Owner`]'s comparisons.
 impl Owner {
     /// The entries a DEL of this attachment releases: its container's on its interface
-    /// ([`Owner::same_attachment`]), unless something else holds them.
+    /// ([`Owned::same_attachment`]), unless something else holds them.
     pub fn entries_in<'p>(
         &self,
         pool: &'p Pool,
     ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
         pool.allocations
             .iter()
-            .filter(|(_, e)| !e.is_held() && Owner::of_entry(e).same_attachment(self))
+            .filter(|(_, e)| !e.is_held() && e.same_attachment(self))
             .map(|(o, e)| (*o, e))
     }
 
     /// The entry this attachment already holds in `pool`, which an ADD returns again: its
-    /// claim's, else its pod interface's ([`Owner::same_pod_interface`]).
+    /// claim's, else its pod interface's ([`Owned::same_pod_interface`]).
     pub fn held_entry<'p>(&self, pool: &'p Pool) -> Option<(u128, &'p IPAllocation)> {
         match &self.holder {
             Holder::Claim(_) => self.claim_entries(pool).next(),
             _ => pool
                 .allocations
                 .iter()
-                .find(|(_, e)| Owner::of_entry(e).same_pod_interface(self))
+                .find(|(_, e)| e.same_pod_interface(self))
                 .map(|(o, e)| (*o, e)),
         }
     }
@@ -138,15 +138,15 @@ impl Owner {
     ) -> impl Iterator<Item = (u128, &'p IPAllocation)> + use<'p, '_> {
         pool.allocations
             .iter()
-            .filter(|(_, e)| Owner::of_entry(e).same_claim(self))
+            .filter(|(_, e)| e.same_claim(self))
             .map(|(o, e)| (*o, e))
     }
 }
 
 /// Whether an entry still holds the container and pod `expected` names
-/// ([`Owner::same_container`]).
+/// ([`Owned::same_container`]).
 pub fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
-    Owner::of_entry(current).same_container(&Owner::of_entry(expected))
+    current.same_container(expected)
 }
 
 /// The outcome of an allocation and how many races it lost on the way (for benchmarks and logs).

@@ -13,7 +13,7 @@ use super::protocol::{CniError, Code, Command};
 use super::reply::{IpResult, Reply, render_result, version_reply};
 use super::slices::{SLICE_WAIT, Sliced};
 use super::{keep, requested};
-use crate::alloc::{AllocError, Allocate, Direct, Engine, Owner, Target};
+use crate::alloc::{AllocError, Allocate, Direct, Engine, Owned, Owner, Target};
 use crate::store::Datastore;
 
 /// Overall deadlines, as upstream: the kubelet allows a sandbox four minutes.
@@ -395,7 +395,7 @@ async fn held_in<S: Datastore>(
         let entry = pool.as_ref().and_then(|p| {
             p.allocations
                 .iter()
-                .find(|(_, e)| Owner::of_entry(e).same_attachment(&req.attachment))
+                .find(|(_, e)| e.same_attachment(&req.attachment))
         });
         if let Some(ip) = entry.and_then(|(offset, _)| target.range.addr_at(*offset)) {
             return Ok((target.pool.clone(), Some(ip)));
@@ -456,12 +456,11 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
 /// The runtime's valid attachments by container id.
 type Valid = HashMap<String, Vec<Owner>>;
 
-/// Whether `entry` is one of the runtime's valid attachments ([`Owner::same_attachment`]).
+/// Whether `entry` is one of the runtime's valid attachments ([`Owned::same_attachment`]).
 fn is_valid(valid: &Valid, entry: &crate::crd::IPAllocation) -> bool {
-    let owner = Owner::of_entry(entry);
     valid
         .get(&entry.id)
-        .is_some_and(|list| list.iter().any(|v| owner.same_attachment(v)))
+        .is_some_and(|list| list.iter().any(|v| entry.same_attachment(v)))
 }
 
 fn valid_attachments(conf: &Value) -> Result<Valid, CniError> {

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use crate::config::Problem;
 use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 
-pub use owner::{Holder, Incarnation, Owner};
+pub use owner::{Holder, Incarnation, LivePod, Owned, Owner};
 
 pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
 
@@ -75,7 +75,11 @@ pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
     if entry.is_held() {
         return false;
     }
-    match Owner::of_entry(entry).incarnation(&Owner::pod(&pod.podref, &pod.uid)) {
+    let live = LivePod {
+        podref: &pod.podref,
+        uid: &pod.uid,
+    };
+    match entry.incarnation(&live) {
         Incarnation::Same => true,
         Incarnation::Other => false,
         Incarnation::Unknown => pod.addresses.contains(&ip),
@@ -83,9 +87,9 @@ pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
 }
 
 /// Whether reservation `claim` is the claim of `entry`, the one a release of the entry may delete
-/// (see [`Owner::same_claimant`]).
+/// (see [`Owned::same_claimant`]).
 pub fn is_claim_of(claim: &OverlappingRangeIPReservationSpec, entry: &IPAllocation) -> bool {
-    Owner::of_claim(claim).same_claimant(&Owner::of_entry(entry))
+    claim.same_claimant(entry)
 }
 
 /// The addresses the pod's network-status lists per interface name (secondary networks only).
@@ -136,8 +140,11 @@ pub fn is_pod_gone(entry: &IPAllocation, live: &HashMap<String, String>) -> bool
     match live.get(&entry.podref) {
         None => true,
         Some(uid) => {
-            Owner::of_entry(entry).incarnation(&Owner::pod(&entry.podref, uid))
-                == Incarnation::Other
+            let live = LivePod {
+                podref: &entry.podref,
+                uid,
+            };
+            entry.incarnation(&live) == Incarnation::Other
         }
     }
 }

@@ -1,6 +1,7 @@
-//! The one model of who holds an address: an [`Owner`], read the same way from a pool entry, a
-//! reservation (claim) or a CNI request, and a few named comparisons between two owners. Every
-//! writer and every releaser decides through these comparisons; none compares fields itself.
+//! The one model of who holds an address: an [`Owner`] (container, pod, interface, pod UID,
+//! holder), recorded alike by a CNI request, a pool entry and a reservation (claim), and a few
+//! named comparisons between any two of them ([`Owned`]). Every writer and every releaser decides
+//! through these comparisons; none compares fields itself.
 //!
 //! A field an older writer did not record is empty and means "unknown": upstream writes no pod UID,
 //! very old upstream versions no interface, old upstream reservations no container. Each
@@ -8,12 +9,12 @@
 //!
 //! | comparison | asks | used by |
 //! |---|---|---|
-//! | [`Owner::same_attachment`] | one container's interface (CNI's key) | DEL (`alloc::release`, the agent's group release), the withdrawal of a cut-off ADD's claims, CHECK, CNI GC's valid attachments |
-//! | [`Owner::same_container`] | the container of the pod | every conditional entry write: group commit (`alloc::turn`), the agent's groups, removals (`alloc::release`) |
-//! | [`Owner::same_claimant`] | the pod, the container where known | which reservation a release deletes (`alloc::claim`, `controller::cleanup`), the audit's foreign-claim check |
-//! | [`Owner::same_pod_interface`] | the pod's interface, any container | ADD's idempotency (`Owner::held_entry`), taking over a claim |
-//! | [`Owner::same_claim`] | the IPAMClaim | ADD of a claim's next pod, claimed entries |
-//! | [`Owner::incarnation`] | the pod's UID | pod cleanup (`belongs_to`), CNI GC and the audit (`is_stale`), held addresses (`is_pod_gone`) |
+//! | [`Owned::same_attachment`] | one container's interface (CNI's key) | DEL (`alloc::release`, the agent's group release), the withdrawal of a cut-off ADD's claims, CHECK, CNI GC's valid attachments |
+//! | [`Owned::same_container`] | the container of the pod | every conditional entry write: group commit (`alloc::turn`), the agent's groups, removals (`alloc::release`) |
+//! | [`Owned::same_claimant`] | the pod, the container where known | which reservation a release deletes (`alloc::claim`, `controller::cleanup`), the audit's foreign-claim check |
+//! | [`Owned::same_pod_interface`] | the pod's interface, any container | ADD's idempotency (`Owner::held_entry`), taking over a claim |
+//! | [`Owned::same_claim`] | the IPAMClaim | ADD of a claim's next pod, claimed entries |
+//! | [`Owned::incarnation`] | the pod's UID | pod cleanup (`belongs_to`), CNI GC and the audit (`is_stale`), held addresses (`is_pod_gone`) |
 //!
 //! `tests.rs` holds each writer's owner (our plugin, the agent, upstream's versions, a retried
 //! sandbox, a StatefulSet replacement, a DEL without a pod) against each comparison.
@@ -50,7 +51,7 @@ pub enum Holder {
     Claim(String),
 }
 
-/// Whether two owners are the same incarnation of a pod (see [`Owner::incarnation`]).
+/// Whether two owners are the same incarnation of a pod (see [`Owned::incarnation`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Incarnation {
     /// The same pod name and the same recorded UID.
@@ -142,69 +143,155 @@ impl Owner {
     pub fn claim(&self) -> OverlappingRangeIPReservationSpec {
         OverlappingRangeIPReservationSpec::from(&self.entry())
     }
+}
+
+/// A live pod as the API server has it: its name and runtime UID (see
+/// [`crate::crd::pod::runtime_uid`]), to compare an entry's pod with.
+#[derive(Debug, Clone, Copy)]
+pub struct LivePod<'a> {
+    pub podref: &'a str,
+    pub uid: &'a str,
+}
+
+/// Anything that records an owner: a request's [`Owner`], a pool entry, a reservation, a live
+/// pod. The comparisons are written once, here, for any two of them, and copy no field (a DEL of
+/// an agent's group compares every entry of a pool of thousands).
+pub trait Owned {
+    fn container_id(&self) -> &str;
+    fn ifname(&self) -> &str;
+    fn podref(&self) -> &str;
+    fn pod_uid(&self) -> &str;
+    /// The IPAMClaim holding the address (`<namespace>/<name>`), empty when none does.
+    fn claim_ref(&self) -> &str;
 
     /// The same attachment in CNI's sense: one container's interface (`CNI_CONTAINERID` and
     /// `CNI_IFNAME`; the pod is not part of the key, and a DEL may omit it). An entry without an
     /// interface (very old upstream versions) counts as its container's only one. What a DEL
     /// releases, which unrecorded claim an ADD's earlier attempt left, what CHECK and CNI GC find.
-    pub fn same_attachment(&self, other: &Owner) -> bool {
-        !self.container_id.is_empty()
-            && self.container_id == other.container_id
-            && agree(&self.ifname, &other.ifname)
+    fn same_attachment(&self, other: &(impl Owned + ?Sized)) -> bool {
+        !self.container_id().is_empty()
+            && self.container_id() == other.container_id()
+            && agree(self.ifname(), other.ifname())
     }
 
     /// The same container of the same pod, whatever interface each recorded: what a conditional
     /// removal or replacement of an entry holds on (the JSON Patch `test` of `id` and `podref`),
     /// so that an address re-bound to a newer container is never released by the older one.
-    pub fn same_container(&self, other: &Owner) -> bool {
-        self.container_id == other.container_id && self.podref == other.podref
+    fn same_container(&self, other: &(impl Owned + ?Sized)) -> bool {
+        self.container_id() == other.container_id() && self.podref() == other.podref()
     }
 
     /// The same pod, and the same container where both recorded one (old upstream reservations
     /// name the pod alone): which reservation is the claim of an entry, the one its release may
     /// delete. One that a newer container of the pod took over is the newer attachment's.
-    pub fn same_claimant(&self, other: &Owner) -> bool {
-        self.podref == other.podref && agree(&self.container_id, &other.container_id)
+    fn same_claimant(&self, other: &(impl Owned + ?Sized)) -> bool {
+        self.podref() == other.podref() && agree(self.container_id(), other.container_id())
     }
 
     /// The same interface of the same pod, in any of its containers (a sandbox re-created, a
     /// StatefulSet replacement): the address an ADD returns again, and whose reservation a new
     /// container takes over.
-    pub fn same_pod_interface(&self, other: &Owner) -> bool {
-        self.podref == other.podref && self.ifname == other.ifname
+    fn same_pod_interface(&self, other: &(impl Owned + ?Sized)) -> bool {
+        self.podref() == other.podref() && self.ifname() == other.ifname()
     }
 
     /// Held by the same IPAMClaim: every pod of a claim gets the claim's address.
-    pub fn same_claim(&self, other: &Owner) -> bool {
-        matches!((&self.holder, &other.holder), (Holder::Claim(a), Holder::Claim(b)) if a == b)
+    fn same_claim(&self, other: &(impl Owned + ?Sized)) -> bool {
+        !self.claim_ref().is_empty() && self.claim_ref() == other.claim_ref()
     }
 
     /// Whether a reservation of `other` is this owner's to take over: the same claim, or the same
     /// pod interface.
-    pub fn may_take_over(&self, other: &Owner) -> bool {
+    fn may_take_over(&self, other: &(impl Owned + ?Sized)) -> bool {
         self.same_claim(other) || self.same_pod_interface(other)
     }
 
     /// Whether `other` is the same incarnation of this owner's pod: the UID decides where both
     /// recorded one.
-    pub fn incarnation(&self, other: &Owner) -> Incarnation {
-        if self.podref != other.podref {
+    fn incarnation(&self, other: &(impl Owned + ?Sized)) -> Incarnation {
+        if self.podref() != other.podref() {
             Incarnation::Other
-        } else if self.pod_uid.is_empty() || other.pod_uid.is_empty() {
+        } else if self.pod_uid().is_empty() || other.pod_uid().is_empty() {
             Incarnation::Unknown
-        } else if self.pod_uid == other.pod_uid {
+        } else if self.pod_uid() == other.pod_uid() {
             Incarnation::Same
         } else {
             Incarnation::Other
         }
     }
+}
 
-    /// The live pod `podref` with runtime UID `uid` (see [`crate::crd::pod::runtime_uid`]).
-    pub fn pod(podref: &str, uid: &str) -> Owner {
-        Owner {
-            podref: podref.to_owned(),
-            pod_uid: uid.to_owned(),
-            ..Owner::default()
+impl Owned for Owner {
+    fn container_id(&self) -> &str {
+        &self.container_id
+    }
+    fn ifname(&self) -> &str {
+        &self.ifname
+    }
+    fn podref(&self) -> &str {
+        &self.podref
+    }
+    fn pod_uid(&self) -> &str {
+        &self.pod_uid
+    }
+    fn claim_ref(&self) -> &str {
+        match &self.holder {
+            Holder::Claim(claim) => claim,
+            _ => "",
         }
+    }
+}
+
+impl Owned for IPAllocation {
+    fn container_id(&self) -> &str {
+        &self.id
+    }
+    fn ifname(&self) -> &str {
+        &self.ifname
+    }
+    fn podref(&self) -> &str {
+        &self.podref
+    }
+    fn pod_uid(&self) -> &str {
+        &self.poduid
+    }
+    fn claim_ref(&self) -> &str {
+        &self.ipamclaimref
+    }
+}
+
+impl Owned for OverlappingRangeIPReservationSpec {
+    fn container_id(&self) -> &str {
+        &self.containerid
+    }
+    fn ifname(&self) -> &str {
+        &self.ifname
+    }
+    fn podref(&self) -> &str {
+        &self.podref
+    }
+    fn pod_uid(&self) -> &str {
+        &self.poduid
+    }
+    fn claim_ref(&self) -> &str {
+        &self.ipamclaimref
+    }
+}
+
+impl Owned for LivePod<'_> {
+    fn container_id(&self) -> &str {
+        ""
+    }
+    fn ifname(&self) -> &str {
+        ""
+    }
+    fn podref(&self) -> &str {
+        self.podref
+    }
+    fn pod_uid(&self) -> &str {
+        self.uid
+    }
+    fn claim_ref(&self) -> &str {
+        ""
     }
 }
