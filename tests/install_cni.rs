@@ -285,3 +285,53 @@ fn writes_the_node_name_for_node_slices() {
         "unchanged: not rewritten"
     );
 }
+
+/// The installer writes the keys it owns and leaves an admin's (and upstream's) others alone; a
+/// flat file it cannot read as a JSON object is an error that names it, and is left as it was.
+#[test]
+fn the_installer_keeps_an_admins_flat_file_keys() {
+    let mut f = fixture();
+    let t = f.args.targets();
+    std::fs::create_dir_all(t.flat_file.parent().unwrap()).unwrap();
+    let admin = serde_json::json!({
+        "datastore": "kubernetes",
+        "kubernetes": {"kubeconfig": "/etc/cni/net.d/whereabouts.d/old.kubeconfig", "extra": 1},
+        "log_level": "verbose",
+        "plugin_slots": 8,
+        "reconciler_cron_expression": "30 4 * * *"
+    });
+    std::fs::write(&t.flat_file, admin.to_string()).unwrap();
+    assert!(install_once(&f.args).unwrap().flat_file);
+    let read = || -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(&t.flat_file).unwrap()).unwrap()
+    };
+    let mut want = admin.clone();
+    want["kubernetes"]["kubeconfig"] = "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig".into();
+    assert_eq!(read(), want, "only the kubeconfig path is the installer's");
+    assert!(
+        !install_once(&f.args).unwrap().flat_file,
+        "nothing to change the second time"
+    );
+    f.args.log_level = Some("debug".into());
+    install_once(&f.args).unwrap();
+    want["log_level"] = "debug".into();
+    assert_eq!(
+        read(),
+        want,
+        "--log-level, when set, is the installer's too"
+    );
+
+    for (text, why) in [
+        ("{\"log_level\": ", "is not valid JSON"),
+        ("[1, 2]", "is not a JSON object but a list"),
+    ] {
+        std::fs::write(&t.flat_file, text).unwrap();
+        let e = format!("{:#}", install_once(&f.args).unwrap_err());
+        assert!(e.contains("whereabouts.conf") && e.contains(why), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(&t.flat_file).unwrap(),
+            text,
+            "left as it was"
+        );
+    }
+}

@@ -25,6 +25,9 @@ use kube::config::{
 
 use super::run::parse_duration;
 
+mod flat;
+pub use flat::flat_file;
+
 const SA_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// Prefix of every temporary file this installer creates (see [`write_atomic`]).
 pub const TEMP_PREFIX: &str = ".whereabouts-install.";
@@ -238,7 +241,6 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
     let binary = std::fs::read(&source)
         .with_context(|| format!("--source-binary {}: cannot read", source.display()))?;
     let kubeconfig = kubeconfig(args)?;
-    let flat = flat_file(args);
 
     for (dir, flag) in [
         (targets.binary.parent(), "--cni-bin-dir"),
@@ -248,6 +250,8 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("{flag}: cannot create {}", dir.display()))?;
     }
+    let flat = flat_file(args, read_if_present(&targets.flat_file)?.as_deref())
+        .with_context(|| format!("--cni-conf-dir: {}", targets.flat_file.display()))?;
     Ok(Report {
         binary: write_atomic(&targets.binary, &binary, BINARY_MODE)
             .with_context(|| format!("--cni-bin-dir: installing {}", targets.binary.display()))?,
@@ -267,13 +271,13 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
     })
 }
 
-/// The flat file: points the plugin at the kubeconfig by its host path.
-pub fn flat_file(args: &InstallCniArgs) -> String {
-    let mut flat = serde_json::json!({"kubernetes": {"kubeconfig": args.host_kubeconfig_path()}});
-    if let Some(level) = &args.log_level {
-        flat["log_level"] = level.as_str().into();
+/// The file at `path`, `None` when there is none yet.
+fn read_if_present(path: &Path) -> anyhow::Result<Option<Vec<u8>>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("--cni-conf-dir: reading {}", path.display())),
     }
-    format!("{flat}\n")
 }
 
 fn read_flag(path: &Path, flag: &str) -> anyhow::Result<Vec<u8>> {
