@@ -140,6 +140,7 @@ node:
   resources: {requests: {cpu: 20m, memory: 64Mi}, limits: {cpu: 200m, memory: 1Gi}}
   nodeSelector: {kubernetes.io/os: linux}
   tolerations: [{key: dedicated, operator: Equal, value: net, effect: NoSchedule}]
+  seLinuxOptions: {level: "s0"}
 EOF
 render values.chart.yaml whereabouts-system -f "$work/values.yaml"
 operator=Deployment/whereabouts-operator
@@ -154,7 +155,16 @@ check "non-default values change only their fields" \
     --set "$operator:spec.template.spec.tolerations=[{key: node-role.kubernetes.io/control-plane, effect: NoSchedule}]" \
     --set "$node:spec.template.spec.containers[install-cni].resources={requests: {cpu: 20m, memory: 64Mi}, limits: {cpu: 200m, memory: 1Gi}}" \
     --set "$node:spec.template.spec.nodeSelector={kubernetes.io/os: linux}" \
-    --set "$node:spec.template.spec.tolerations=[{key: dedicated, operator: Equal, value: net, effect: NoSchedule}]"
+    --set "$node:spec.template.spec.tolerations=[{key: dedicated, operator: Equal, value: net, effect: NoSchedule}]" \
+    --set "$node:spec.template.spec.securityContext.seLinuxOptions={type: spc_t, level: s0}"
+
+# No SELinux type: the chart's null and kustomize's component (config/components/no-selinux).
+"$KUBECTL" kustomize e2e/kustomize/no-selinux >"$work/no-selinux.yaml"
+render no-selinux.chart.yaml whereabouts-system --set node.seLinuxOptions=null
+check "node.seLinuxOptions=null = config/components/no-selinux" \
+  compare no-selinux no-selinux.chart.yaml --expect "$work/no-selinux.yaml" --drop-kind Namespace
+no_selinux_type() { ! grep -q 'seLinuxOptions' "$work/no-selinux.yaml"; }
+check "the no-selinux component removes the type" no_selinux_type
 
 # The comparison itself must catch a difference (a test that cannot fail proves nothing).
 sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"

@@ -137,3 +137,24 @@ fn the_node_token_on_the_host_expires_within_an_hour() {
         assert!(mounted, "{} does not mount the node token", c["name"]);
     }
 }
+
+/// Issue 27: the node pod (installer and agent) runs as `spc_t`, so that on SELinux-enforcing
+/// nodes it may write the host's CNI folders and create the agent's socket; the no-selinux
+/// component takes it out again (its rendering is compared with the chart's by e2e/helm-test.sh).
+#[test]
+fn the_node_pod_runs_as_spc_t_unless_the_component_removes_it() {
+    use serde_json::Value;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/cni/daemonset.yaml")).unwrap();
+    let ds: Value = serde_saphyr::from_str(&text).unwrap();
+    let context = &ds["spec"]["template"]["spec"]["securityContext"];
+    assert_eq!(context["seLinuxOptions"], serde_json::json!({"type": "spc_t"}));
+    let component = std::fs::read_to_string(
+        root.join("config/components/no-selinux/kustomization.yaml"),
+    )
+    .unwrap();
+    let component: Value = serde_saphyr::from_str(&component).unwrap();
+    assert_eq!(component["kind"], "Component");
+    let patch = component["patches"][0]["patch"].as_str().unwrap();
+    assert!(patch.contains("/spec/template/spec/securityContext/seLinuxOptions"));
+}
