@@ -148,11 +148,13 @@ fn the_node_pod_runs_as_spc_t_unless_the_component_removes_it() {
     let text = std::fs::read_to_string(root.join("config/cni/daemonset.yaml")).unwrap();
     let ds: Value = serde_saphyr::from_str(&text).unwrap();
     let context = &ds["spec"]["template"]["spec"]["securityContext"];
-    assert_eq!(context["seLinuxOptions"], serde_json::json!({"type": "spc_t"}));
-    let component = std::fs::read_to_string(
-        root.join("config/components/no-selinux/kustomization.yaml"),
-    )
-    .unwrap();
+    assert_eq!(
+        context["seLinuxOptions"],
+        serde_json::json!({"type": "spc_t"})
+    );
+    let component =
+        std::fs::read_to_string(root.join("config/components/no-selinux/kustomization.yaml"))
+            .unwrap();
     let component: Value = serde_saphyr::from_str(&component).unwrap();
     assert_eq!(component["kind"], "Component");
     let patch = component["patches"][0]["patch"].as_str().unwrap();
