@@ -14,7 +14,7 @@
 //! Nodes take further slices themselves when theirs are full (`cni::slices`); the operator keeps
 //! those assignments like any other.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use kube::ResourceExt;
@@ -118,6 +118,12 @@ pub async fn reconcile(
         .collect();
     let pools = ctx.caches.pools.state();
     let live = LivePools::of(pools.iter().map(AsRef::as_ref));
+    // Upstream's pools, by name: the ones a NodeSlicePool may tell us how to label.
+    let unlabelled: HashSet<String> = pools
+        .iter()
+        .filter(|p| !p.labels().contains_key(NETWORK_LABEL))
+        .map(|p| p.name_any())
+        .collect();
     let stored: HashMap<String, Arc<NodeSlicePool>> = ctx
         .caches
         .slice_pools
@@ -140,7 +146,7 @@ pub async fn reconcile(
         tell(ctx, reported, net, &plan).await;
         if !ctx.opts.dry_run {
             writes += write(&api, net, current, &plan).await?;
-            writes += label_slice_pools(ctx, net, &plan, &pools).await?;
+            writes += label_slice_pools(ctx, net, &plan, &unlabelled).await?;
         }
     }
     ctx.metrics.set_node_slices(&gauges);
@@ -162,7 +168,7 @@ async fn label_slice_pools(
     ctx: &Context,
     net: &SliceNetwork,
     plan: &Plan,
-    pools: &[Arc<IPPool>],
+    unlabelled: &HashSet<String>,
 ) -> Result<usize, kube::Error> {
     let api: Api<IPPool> = Api::namespaced(ctx.client.clone(), &ctx.opts.pool_namespace);
     let mut writes = 0;
@@ -172,11 +178,8 @@ async fn label_slice_pools(
         };
         let network = net.network_name.as_deref();
         let name = slice_pool_name(network, &a.node_name, slice);
-        let unlabelled = pools
-            .iter()
-            .any(|p| p.name_any() == name && !p.labels().contains_key(NETWORK_LABEL));
         let labels = pool_labels(network, slice, Some(&a.node_name));
-        if !unlabelled || labels.is_empty() {
+        if !unlabelled.contains(&name) || labels.is_empty() {
             continue;
         }
         let patch = serde_json::json!({"metadata": {"labels": labels}});
