@@ -24,7 +24,9 @@
 //! answered code 11 after 20 s while ADDs held every slot). So releases (DEL, GC) queue at a gate of their own and have a slot of their
 //! own (`release-slot`) besides the common ones: at most `plugin_slots` + 1 processes of a node
 //! are at work, and a release never waits behind an ADD. And releases go first: while a release
-//! waits (it holds `release-gate`), no ADD takes a common slot that comes free. Without that, the
+//! waits (it holds `release-gate`), ADDs leave it the first half of the common slots (`slot-0`
+//! up to `plugin_slots / 2`), and take only the others: a long stream of DELs never shuts the
+//! ADDs out, and DELs no longer race ADDs for every freed slot. Without that, the
 //! loaded 20-round chaos run (2026-12-02) had DELs of the plugin alone turned away for 180 s: one
 //! release slot and an even race for each freed common slot served fewer DELs than arrived.
 
@@ -105,11 +107,12 @@ pub fn take(slots: &PluginSlots, lane: Lane, patience: Duration) -> Result<Optio
         waited: started.elapsed(),
     };
     let free = |files: &Vec<Option<File>>| {
-        if releases.as_ref().is_some_and(release_waits) {
-            None
+        let yielded = if releases.as_ref().is_some_and(release_waits) {
+            releases_first(slots.count)
         } else {
-            try_any(files)
-        }
+            0
+        };
+        try_any(files, yielded)
     };
     if let Some(index) = free(&files) {
         return Ok(Some(taken(&mut files, index)));
@@ -203,12 +206,18 @@ fn open_all(slots: &PluginSlots, lane: Lane) -> std::io::Result<(File, Vec<File>
     Ok((open(gate.into())?, files, releases))
 }
 
-/// Tries every slot once without blocking, from a random one on (so that waiters do not all
-/// queue at slot 0): the index of the one locked.
-fn try_any(files: &[Option<File>]) -> Option<usize> {
-    let n = files.len();
+/// How many of the common slots (`slot-0` on) a waiting release has first: half of them, so that
+/// a long stream of DELs never shuts the ADDs out altogether.
+fn releases_first(count: u32) -> usize {
+    (count / 2) as usize
+}
+
+/// Tries every slot from `from` on once without blocking, from a random one on (so that waiters
+/// do not all queue at slot 0): the index of the one locked.
+fn try_any(files: &[Option<File>], from: usize) -> Option<usize> {
+    let n = files.len().saturating_sub(from);
     let start = fastrand::usize(..n.max(1));
-    (0..n).map(|k| (start + k) % n).find(|&i| {
+    (0..n).map(|k| from + (start + k) % n).find(|&i| {
         files[i]
             .as_ref()
             .is_some_and(|f| flock(f, FlockOperation::NonBlockingLockExclusive).is_ok())
@@ -314,15 +323,17 @@ mod tests {
         assert_eq!(Lane::of(Command::Add), Lane::Common);
     }
 
-    /// A common slot that comes free while both an ADD and a release wait goes to the release,
-    /// every time (before, each won about half of the races).
+    /// A slot of the releases' half that comes free while both an ADD and a release wait goes
+    /// to the release, every time (before, each won about half of the races); the ADDs keep the
+    /// other half.
     #[test]
-    fn a_freed_common_slot_goes_to_a_waiting_release_first() {
+    fn a_freed_slot_of_the_releases_half_goes_to_a_waiting_release() {
         let tmp = tempfile::tempdir().unwrap();
-        let slots = bound(tmp.path(), 1);
+        let slots = bound(tmp.path(), 2);
         let common = || take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
-        let mut held = common();
-        // With the common slot held, a release can only take its own slot: hold that too.
+        let (a, b) = (common(), common());
+        let (mut first, _second) = if a.index == 0 { (a, b) } else { (b, a) };
+        // With both common slots held, a release can only take its own slot: hold that too.
         let own = take(&slots, Lane::Release, Duration::ZERO)
             .unwrap()
             .unwrap();
@@ -337,17 +348,23 @@ mod tests {
                 std::thread::spawn(move || take(&slots, Lane::Release, Duration::from_secs(5)))
             };
             std::thread::sleep(Duration::from_millis(30)); // the release waits too
-            drop(held);
+            drop(first);
             let del = del.join().unwrap().unwrap().unwrap();
             assert!(
                 add.join().unwrap().is_err(),
                 "round {round}: the ADD took it"
             );
             drop(del);
-            // With no release waiting, an ADD takes a free slot at once.
-            held = common();
+            // With no release waiting, an ADD takes slot-0 again at once.
+            first = common();
+            assert_eq!(first.index, 0);
         }
-        drop((own, held));
+        drop(own);
+        assert_eq!(
+            [1, 2, 4, 8].map(releases_first),
+            [0, 1, 2, 4],
+            "the ADDs always keep at least half"
+        );
     }
 
     #[test]
