@@ -5,7 +5,7 @@
 #
 #   bench/before_after.sh BASE_REV            # the full set (about 50 minutes on 2 cores)
 #   QUICK=1 bench/before_after.sh BASE_REV    # one short run of each, to try the script
-#   PARTS="cni nodes" CNI_CONCURRENCY=200 bench/before_after.sh BASE_REV
+#   PARTS="cni nodes" CNI_CONCURRENCY=200 HEAD_REV=REV bench/before_after.sh BASE_REV
 #                                             # only these parts (cni, storms, nodes, operator,
 #                                             # webhook, abuse), the CNI scenarios at 200 only
 #
@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 base="$(git rev-parse --short "${1:?usage: bench/before_after.sh BASE_REV}")"
-head="$(git rev-parse --short HEAD)"
+head="$(git rev-parse --short "${HEAD_REV:-HEAD}")"  # HEAD_REV: the "after" revision, HEAD by default
 quick="${QUICK:-0}"
 parts=" ${PARTS:-cni storms nodes operator webhook abuse} "
 part() { [[ "$parts" == *" $1 "* ]]; }
