@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use super::{Engine, Owned, Owner};
 use crate::crd::IPAllocation;
-use crate::ownership::is_claim_of;
 use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
 
 /// How long a claim may wait for its pool entry while its writer is still at work. An ADD records
@@ -121,7 +120,7 @@ impl<S: Datastore> Engine<'_, S> {
     }
 
     /// The reservation `name` when it is `entry`'s claim (see
-    /// [`crate::ownership::is_claim_of`]): the one a release of that entry may
+    /// [`Owned::same_claimant`]): the one a release of that entry may
     /// delete, never another pod's claim on the same address (of an overlapping range), nor one a
     /// new container of the pod has taken over.
     pub async fn reservation_of(
@@ -133,7 +132,7 @@ impl<S: Datastore> Engine<'_, S> {
             .store
             .get_reservation(name)
             .await?
-            .filter(|r| is_claim_of(&r.spec, entry)))
+            .filter(|r| r.spec.same_claimant(entry)))
     }
 
     /// Deletes the claims of `who`'s container and interface that the pool does not record: an

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 use super::add::Attempt;
 use super::claim::{Claim, PendingClaim};
 use super::pool::ObjectRoom;
-use super::{AllocError, Allocated, Engine, Holder, Owned, Owner};
+use super::{AllocError, Allocated, Engine, Owned, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
 use crate::store::Datastore;
@@ -74,10 +74,7 @@ impl<S: Datastore> Engine<'_, S> {
                 Some(p) if p.is_of(who) => Some(p.uid.clone()),
                 // Another pod of the same claim is recording it right now (a live migration's
                 // two pods at once): once recorded, it is reused above.
-                Some(p)
-                    if !p.entry.ipamclaimref.is_empty()
-                        && Holder::of_entry(&p.entry) == who.holder =>
-                {
+                Some(p) if p.entry.same_claim(who) => {
                     conflicts += 1;
                     LOST_RACE.pause(conflicts).await;
                     continue;

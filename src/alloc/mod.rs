@@ -143,12 +143,6 @@ impl Owner {
     }
 }
 
-/// Whether an entry still holds the container and pod `expected` names
-/// ([`Owned::same_container`]).
-pub fn same_owner(current: &IPAllocation, expected: &IPAllocation) -> bool {
-    current.same_container(expected)
-}
-
 /// The outcome of an allocation and how many races it lost on the way (for benchmarks and logs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocated {

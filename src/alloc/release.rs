@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 use super::turn::FOLLOW_UP_WRITES;
-use super::{Engine, Owner, same_owner};
+use super::{Engine, Owned, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_WRITE, MAX_CONFLICTS};
 use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
@@ -130,7 +130,7 @@ impl<S: Datastore> Engine<'_, S> {
     ) -> Result<BTreeSet<u128>, StoreError> {
         let still_mine = |p: &Pool| {
             mine.iter()
-                .any(|(o, e)| p.allocations.get(o).is_some_and(|c| same_owner(c, e)))
+                .any(|(o, e)| p.allocations.get(o).is_some_and(|c| c.same_container(e)))
         };
         let done = |p: &Pool| (!still_mine(p)).then_some(true);
         let work = |fresh: Pool| self.remove_pending(fresh, mine);
@@ -252,7 +252,7 @@ pub async fn remove_entries<S: Datastore>(
         let (mut gone, mut owned) = (Vec::new(), Vec::new());
         for (o, e) in entries {
             match current.allocations.get(o) {
-                Some(c) if same_owner(c, e) => owned.push((*o, e.clone())),
+                Some(c) if c.same_container(e) => owned.push((*o, e.clone())),
                 None if tried.contains(o) => gone.push((*o, e.clone())),
                 _ => {}
             }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Engine, same_owner};
+use super::{Engine, Owned};
 use crate::crd::IPAllocation;
 use crate::retry::MAX_CONFLICTS;
 use crate::store::{Datastore, Pool, PoolChanges, StoreError, TURN_SECONDS, Turn, TurnAttempt};
@@ -64,7 +64,11 @@ impl<S: Datastore> Engine<'_, S> {
         entry: &IPAllocation,
         contenders: usize,
     ) -> Result<bool, StoreError> {
-        let done = |pool: &Pool| pool.allocations.get(&offset).map(|e| same_owner(e, entry));
+        let done = |pool: &Pool| {
+            pool.allocations
+                .get(&offset)
+                .map(|e| e.same_container(entry))
+        };
         let work = |fresh: Pool| self.write_pending(fresh, offset, entry);
         self.in_turn(pool, &entry.id, contenders, done, work).await
     }
@@ -144,7 +148,7 @@ impl<S: Datastore> Engine<'_, S> {
         let mut follow_ups = 0;
         for attempt in 0..MAX_CONFLICTS {
             let recorded = match pool.allocations.get(&offset) {
-                Some(e) if same_owner(e, entry) => true,
+                Some(e) if e.same_container(entry) => true,
                 Some(_) => return Ok(false),
                 None => false,
             };

@@ -19,7 +19,7 @@ use super::pools::{PoolView, entries_of_pod};
 use crate::alloc::remove_entries;
 use crate::crd::IPAllocation;
 use crate::ownership::{
-    MIRROR_ANNOTATION, NETWORK_STATUS_ANNOTATION, PodIdentity, parse_network_status,
+    MIRROR_ANNOTATION, NETWORK_STATUS_ANNOTATION, Owned, PodIdentity, parse_network_status,
     secondary_addresses,
 };
 use crate::store::Datastore;
@@ -320,7 +320,7 @@ async fn release_reservation(
     // Deleted only at the version seen: a reservation taken over by a new container of the same
     // pod since then (a StatefulSet replacement) changed version and is kept.
     let seen = match ctx.caches.reservations.get(&key) {
-        Some(r) => crate::ownership::is_claim_of(&r.spec, entry).then(|| {
+        Some(r) => r.spec.same_claimant(entry).then(|| {
             (
                 r.uid().unwrap_or_default(),
                 r.resource_version().unwrap_or_default(),
@@ -330,7 +330,7 @@ async fn release_reservation(
             .store
             .get_reservation(&name)
             .await?
-            .filter(|r| crate::ownership::is_claim_of(&r.spec, entry))
+            .filter(|r| r.spec.same_claimant(entry))
             .map(|r| (r.uid, r.resource_version)),
     };
     if let Some((uid, rv)) = seen {

@@ -16,7 +16,7 @@ use std::net::IpAddr;
 use serde::Deserialize;
 
 use crate::config::Problem;
-use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+use crate::crd::IPAllocation;
 
 pub use owner::{Holder, Incarnation, LivePod, Owned, Owner};
 
@@ -84,12 +84,6 @@ pub fn belongs_to(entry: &IPAllocation, ip: IpAddr, pod: &PodIdentity) -> bool {
         Incarnation::Other => false,
         Incarnation::Unknown => pod.addresses.contains(&ip),
     }
-}
-
-/// Whether reservation `claim` is the claim of `entry`, the one a release of the entry may delete
-/// (see [`Owned::same_claimant`]).
-pub fn is_claim_of(claim: &OverlappingRangeIPReservationSpec, entry: &IPAllocation) -> bool {
-    claim.same_claimant(entry)
 }
 
 /// The addresses the pod's network-status lists per interface name (secondary networks only).

@@ -79,18 +79,6 @@ impl Holder {
         Holder::of(&entry.ipamclaimref, &entry.statefulset)
     }
 
-    /// True when something other than the pod holds the address.
-    pub fn is_held(&self) -> bool {
-        *self != Holder::Pod
-    }
-
-    fn claim_ref(&self) -> String {
-        match self {
-            Holder::Claim(claim) => claim.clone(),
-            _ => String::new(),
-        }
-    }
-
     fn statefulset(&self) -> String {
         match self {
             Holder::StatefulSet(name) => name.clone(),
@@ -105,17 +93,6 @@ fn agree(a: &str, b: &str) -> bool {
 }
 
 impl Owner {
-    /// The owner a pool entry records.
-    pub fn of_entry(entry: &IPAllocation) -> Owner {
-        Owner {
-            container_id: entry.id.clone(),
-            ifname: entry.ifname.clone(),
-            podref: entry.podref.clone(),
-            pod_uid: entry.poduid.clone(),
-            holder: Holder::of_entry(entry),
-        }
-    }
-
     /// The owner a reservation (a claim) records.
     pub fn of_claim(spec: &OverlappingRangeIPReservationSpec) -> Owner {
         Owner {
@@ -134,7 +111,7 @@ impl Owner {
             podref: self.podref.clone(),
             ifname: self.ifname.clone(),
             poduid: self.pod_uid.clone(),
-            ipamclaimref: self.holder.claim_ref(),
+            ipamclaimref: Owned::claim_ref(self).to_owned(),
             statefulset: self.holder.statefulset(),
         }
     }

@@ -221,7 +221,15 @@ fn every_writer_against_every_comparison() {
         );
         assert_eq!(back, want, "{} (asked the other way)", r.writer);
         // An entry and a claim of the same owner read back as that owner.
-        assert_eq!(Owner::of_entry(&o.entry()), *o, "{}", r.writer);
+        let e = o.entry();
+        let recorded = (e.container_id(), e.ifname(), e.podref(), e.pod_uid());
+        let own = (o.container_id(), o.ifname(), o.podref(), o.pod_uid());
+        assert_eq!(
+            (recorded, Holder::of_entry(&e)),
+            (own, o.holder.clone()),
+            "{}",
+            r.writer
+        );
         assert_eq!(Owner::of_claim(&o.claim()), *o, "{}", r.writer);
     }
 }

@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 
 use futures::StreamExt;
 
-use super::{AllocError, Allocated, Engine, Owner, Target, same_owner};
+use super::{AllocError, Allocated, Engine, Owned, Owner, Target};
 use crate::crd::IPAllocation;
 use crate::retry::LOST_WRITE;
 use crate::store::{Datastore, Pool, PoolWrite, StoreError};
@@ -226,7 +226,7 @@ async fn settle<S: Datastore>(
             State::Held { offset, uid } => {
                 let (offset, uid) = (*offset, uid.clone());
                 match pool.allocations.get(&offset) {
-                    Some(e) if same_owner(e, &slot.job.who.entry()) => {
+                    Some(e) if e.same_container(&slot.job.who) => {
                         slot.state = State::Finished(Ok(Allocated {
                             ip: slot.job.target.picked(offset),
                             conflicts: slot.conflicts,

@@ -28,6 +28,7 @@ use crate::crd::{
 };
 use crate::ipam::naming::reservation_name;
 use crate::nad_check::check_spec_config;
+use crate::ownership::Owned;
 use crate::store::{Datastore, RENEWED_ANNOTATION, StoreError, Write, now_secs};
 
 /// The default youngest claim the sweep takes: [`CLAIM_LIFETIME`] and a minute for the clocks of
@@ -153,7 +154,7 @@ pub async fn restore(
         return Ok(Restored::Made);
     }
     Ok(match ctx.store.get_reservation(&name).await? {
-        Some(r) if !crate::ownership::is_claim_of(&r.spec, entry) => {
+        Some(r) if !r.spec.same_claimant(entry) => {
             tracing::error!(reservation = %name, pool, pod = %entry.podref, holder = %r.spec.podref, "the address of a pool entry is claimed by another pod: two pods may hold it");
             Restored::Foreign
         }

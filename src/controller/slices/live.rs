@@ -18,6 +18,9 @@ pub struct LivePools {
     unlabelled: BTreeSet<String>,
     /// Labelled slice pools: (network, slice) -> node.
     labelled: BTreeMap<(Option<String>, IpNet), String>,
+    /// The same pools by (slice, node), whatever their network: what a NodeSlicePool's
+    /// retirement asks for each of its slices.
+    labelled_slices: BTreeSet<(IpNet, String)>,
 }
 
 impl LivePools {
@@ -27,8 +30,9 @@ impl LivePools {
         for p in pools.into_iter().filter(|p| !p.spec.allocations.is_empty()) {
             let name = p.name_any();
             match labelled_slice(&name, p) {
-                Some(key_node) => {
-                    live.labelled.insert(key_node.0, key_node.1);
+                Some(((network, slice), node)) => {
+                    live.labelled_slices.insert((slice, node.clone()));
+                    live.labelled.insert((network, slice), node);
                 }
                 None => {
                     live.unlabelled.insert(name.clone());
@@ -76,15 +80,13 @@ impl LivePools {
     pub fn slice_in_use(&self, node: &str, slice: IpNet) -> bool {
         let slice = slice.trunc();
         let bare = slice_pool_name(None, node, slice);
+        let suffix = format!("-{bare}");
         !node.is_empty()
-            && (self
-                .labelled
-                .iter()
-                .any(|((_, s), n)| *s == slice && n == node)
+            && (self.labelled_slices.contains(&(slice, node.to_owned()))
                 || self
                     .unlabelled
                     .iter()
-                    .any(|p| *p == bare || p.ends_with(&format!("-{bare}"))))
+                    .any(|p| *p == bare || p.ends_with(&suffix)))
     }
 }
 
