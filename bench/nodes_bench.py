@@ -237,17 +237,19 @@ class Mode:
 
     def setup(self):
         self.kube.run("create", "namespace", self.ns)
+        # The operator's (and the admin identity's) kubeconfig.
+        shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
+        self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
+                      kubeconfig=str(self.kubeconfig))
+        for node in self.nodes:
+            self.node_dir(node).mkdir()
         if self.spec["impl"] == "ours" and self.args.identity != "admin":
             self.node_identity()
-        else:
-            shutil.copyfile(self.kube.kubeconfig, self.kubeconfig)
-            self.kube.run("config", "set-context", "--current", f"--namespace={self.ns}",
-                          kubeconfig=str(self.kubeconfig))
         for node in self.nodes:
             d = self.node_dir(node)
-            d.mkdir()
             # log_file and agent_socket are the node's: read from its flat file only.
-            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)}, "log_file": str(d / "plugin.log")}
+            flat = {"kubernetes": {"kubeconfig": str(self.plugin_kubeconfig(node))},
+                    "log_file": str(d / "plugin.log")}
             if self.spec["impl"] == "ours":
                 # agent_socket is read from the flat file only; "" = never an agent.
                 flat["agent_socket"] = str(d / "agent.sock") if self.spec["agents"] else ""
@@ -263,15 +265,26 @@ class Mode:
             for node in self.nodes:
                 self.start_agent(node)
 
+    def plugin_kubeconfig(self, node):
+        """Whose credentials node `node`'s plugins and agent use: its own (--identity node), else
+        the admin's."""
+        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+            return self.node_dir(node) / "kubeconfig"
+        return self.kubeconfig
+
     def node_identity(self):
         """--identity node / node-no-leases: our plugins and agents run as the real node account
-        whereabouts-system/whereabouts-node, with the node Role of config/rbac/node.yaml (without
+        whereabouts-system/whereabouts-node, each node with a token bound to a pod on it (as the
+        DaemonSet's projected token is), with the node Role of config/rbac/node.yaml (without
         its Lease rule for node-no-leases: no writer turns) in this namespace, the node
-        ClusterRole, and config/rbac/node-limits.yaml (the Lease policy and the APF level)."""
+        ClusterRole, and config/rbac/node-limits.yaml (the policies and the APF level;
+        --node-policy off leaves the binding of the node-writes policy out)."""
         rbac = ROOT / "config" / "rbac"
         self.kube.run("create", "namespace", "whereabouts-system", check=False)
         self.kube.run("apply", "-f", str(rbac / "service_accounts.yaml"))
         self.kube.run("apply", "-f", str(rbac / "node-limits.yaml"))
+        if self.args.node_policy == "off":
+            self.kube.run("delete", "validatingadmissionpolicybinding", "whereabouts-node-writes")
         import yaml  # PyYAML (python3-yaml, e2e/install-deps.sh), only for this option
         docs = [d for d in yaml.safe_load_all((rbac / "node.yaml").read_text()) if d]
         items = []
@@ -284,16 +297,30 @@ class Mode:
             items.append(d)
         self.kube.run("apply", "-f", "-", input_text=json.dumps(
             {"apiVersion": "v1", "kind": "List", "items": items}))
-        token = self.kube.run("-n", "whereabouts-system", "create", "token", "whereabouts-node",
-                              "--duration=2h").stdout.strip()
         view = self.kube.json("config", "view", "--raw", "--minify")
         cluster = view["clusters"][0]["cluster"]
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "node",
-            "clusters": [{"name": "c", "cluster": cluster}],
-            "users": [{"name": "node", "user": {"token": token}}],
-            "contexts": [{"name": "node", "context": {"cluster": "c", "user": "node",
-                                                      "namespace": self.ns}}]}))
+        for node in self.nodes:
+            pod = f"bench-agent-{node}"
+            self.kube.run("-n", "whereabouts-system", "delete", "pod", pod, "--wait=false",
+                          check=False)
+            self.kube.run("create", "-f", "-", input_text=json.dumps({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": "whereabouts-system"},
+                "spec": {"nodeName": node, "serviceAccountName": "whereabouts-node",
+                         "automountServiceAccountToken": False,
+                         "containers": [{"name": "agent", "image": "never-pulled"}]}}))
+            uid = self.kube.run("-n", "whereabouts-system", "get", "pod", pod, "-o",
+                                "jsonpath={.metadata.uid}").stdout.strip()
+            token = self.kube.run("-n", "whereabouts-system", "create", "token",
+                                  "whereabouts-node", "--duration=2h", "--bound-object-kind=Pod",
+                                  f"--bound-object-name={pod}",
+                                  f"--bound-object-uid={uid}").stdout.strip()
+            self.plugin_kubeconfig(node).write_text(json.dumps({
+                "apiVersion": "v1", "kind": "Config", "current-context": "node",
+                "clusters": [{"name": "c", "cluster": cluster}],
+                "users": [{"name": "node", "user": {"token": token}}],
+                "contexts": [{"name": "node", "context": {"cluster": "c", "user": "node",
+                                                          "namespace": self.ns}}]}))
 
     # -- node slices
 
@@ -439,7 +466,8 @@ class Mode:
         logf = open(d / "agent.log", "wb")
         p = subprocess.Popen(
             [str(self.args.operator), "agent", "--socket", str(sock),
-             "--kubeconfig", str(self.kubeconfig), "--serves-kubeconfig", str(self.kubeconfig),
+             "--kubeconfig", str(self.plugin_kubeconfig(node)),
+             "--serves-kubeconfig", str(self.plugin_kubeconfig(node)),
              "--pool-namespace", self.ns, "--admin-addr", "127.0.0.1:0",
              *shlex.split(self.args.agent_args)],
             stdout=logf, stderr=logf, stdin=subprocess.DEVNULL,
@@ -929,6 +957,7 @@ def run_mode(kube, key, args, workroot, nodes):
             "config": mode.ipam(),
             "plugin_slots": args.plugin_slots if MODES[key]["impl"] == "ours" else None,
             "identity": args.identity if MODES[key]["impl"] == "ours" else "admin",
+            "node_policy": args.node_policy if args.identity != "admin" else None,
             "agent_args": args.agent_args if MODES[key]["agents"] else None,
             "slices": mode.slice_info,
             "ok": sum(1 for r in results if r["error"] is None),
@@ -1121,6 +1150,10 @@ def main():
                     help="who our plugins and agents are: the cluster admin (default), or the "
                          "real node account with config/rbac's rights and limits (node-no-leases: "
                          "without the Lease rule, so no writer turns); upstream stays admin")
+    ap.add_argument("--node-policy", choices=("on", "off"), default="on",
+                    help="with --identity node: whether the node-writes admission policy "
+                         "(config/rbac/node-limits.yaml) is bound (default on; off measures its "
+                         "cost)")
     ap.add_argument("--agent-args", default="",
                     help="extra flags of every node agent (e.g. '--max-queued-per-pool 20' to make "
                          "them hand requests back)")
@@ -1219,7 +1252,7 @@ def main():
         cb.IMPLS["upstream"]["binary"] = Path(args.upstream)
         env = cb.environment(kube)
         log(f"environment: {json.dumps(env)}")
-        if any(MODES[m]["slices"] for m in modes):
+        if any(MODES[m]["slices"] for m in modes) or args.identity != "admin":
             ensure_nodes(kube, nodes)
         t_all = time.monotonic()
         for m in modes:

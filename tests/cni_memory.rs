@@ -23,8 +23,20 @@ fn request_conf(
     container: &str,
     pod: &str,
 ) -> Result<Request, CniError> {
+    request_on("node-a", command, conf, container, pod)
+}
+
+/// A request of the runtime of node `node`.
+fn request_on(
+    node: &str,
+    command: Command,
+    conf: Value,
+    container: &str,
+    pod: &str,
+) -> Result<Request, CniError> {
     let stdin = conf.to_string();
     let vars: HashMap<&str, String> = HashMap::from([
+        ("NODENAME", node.to_owned()),
         ("CNI_CONTAINERID", container.to_owned()),
         ("CNI_IFNAME", "net1".to_owned()),
         (
@@ -580,7 +592,36 @@ async fn gc_releases_only_unknown_attachments_of_gone_pods() {
         .await
         .unwrap();
     }
-    store.set_pod("ns/p2", "uid-p2"); // alive, on another node: not in this runtime's list
+    // Gone pods of another node, and of no known node (upstream's entry): never this node's GC's.
+    let conf_of = |c: &str, p: &str, node: &str| {
+        request_on(
+            node,
+            Command::Add,
+            json!({"cniVersion": "1.0.0", "name": "net", "ipam": ipam}),
+            c,
+            p,
+        )
+        .unwrap()
+    };
+    handle(&store, &conf_of("c4", "p4", "node-b"))
+        .await
+        .unwrap();
+    handle(&store, &conf_of("c5", "p5", "node-b"))
+        .await
+        .unwrap();
+    let mut pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    let (offset, upstream) = pool.allocations.pop_last().unwrap();
+    let node_less = whereabouts::crd::IPAllocation {
+        node: String::new(),
+        ..upstream.clone()
+    };
+    assert!(
+        store
+            .replace_allocation(&pool.name, offset, &upstream, &node_less)
+            .await
+            .is_ok()
+    );
+    store.set_pod("ns/p2", "uid-p2"); // alive (elsewhere): not in this runtime's list
     store.set_pod("ns/p3", "uid-other"); // same name, a newer pod: p3's entry is stale
     let conf = json!({"cniVersion": "1.1.0", "name": "net", "ipam": ipam, "cni.dev/valid-attachments": [{"containerID": "c1", "ifname": "net1"}]});
     handle(&store, &request_conf(Command::Gc, conf, "", "").unwrap())
@@ -588,8 +629,13 @@ async fn gc_releases_only_unknown_attachments_of_gone_pods() {
         .unwrap();
     let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
     let left: Vec<_> = pool.allocations.values().map(|e| e.id.as_str()).collect();
-    assert_eq!(left, ["c1", "c2"]);
-    assert_eq!(store.reservation_names(), ["10.0.0.1", "10.0.0.2"]);
+    assert_eq!(left, ["c1", "c2", "c4", "c5"]);
+    let nodes: Vec<_> = pool.allocations.values().map(|e| e.node.as_str()).collect();
+    assert_eq!(nodes, ["node-a", "node-a", "node-b", ""]);
+    assert_eq!(
+        store.reservation_names(),
+        ["10.0.0.1", "10.0.0.2", "10.0.0.4", "10.0.0.5"]
+    );
     let bad = json!({"cniVersion": "1.1.0", "name": "net", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
     assert_eq!(
         handle(&store, &request_conf(Command::Gc, bad, "", "").unwrap())
@@ -891,6 +937,7 @@ fn attachment(container: &str, pod: &str) -> whereabouts::alloc::Owner {
         ifname: "net1".into(),
         podref: format!("ns/{pod}"),
         pod_uid: String::new(),
+        node: String::new(),
         holder: Default::default(),
     }
 }
@@ -1302,4 +1349,31 @@ async fn a_del_withdraws_the_claim_its_cut_off_add_left() {
         ["10.0.0.9"],
         "the other pod's claim is kept"
     );
+}
+
+/// A pod of the same name on another node (the first force-deleted, its node partitioned, the
+/// pod re-created elsewhere) never takes over the first one's address, which may still be in use
+/// there: it gets one of its own, and the first entry waits for the operator. On its own node the
+/// new sandbox gets the address back (ADD's idempotency).
+#[tokio::test]
+async fn a_pod_of_the_same_name_on_another_node_gets_an_address_of_its_own() {
+    let store = MemoryStore::new();
+    let conf = json!({"cniVersion": "1.0.0", "name": "net", "ipam": {"type": "whereabouts", "range": "10.0.0.0/24"}});
+    let add = |node: &str, container: &str| {
+        request_on(node, Command::Add, conf.clone(), container, "web-0").unwrap()
+    };
+    let first = handle(&store, &add("node-a", "c1")).await.unwrap().unwrap();
+    let elsewhere = handle(&store, &add("node-b", "c2")).await.unwrap().unwrap();
+    assert_ne!(addresses(&first), addresses(&elsewhere));
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    let held: Vec<_> = pool
+        .allocations
+        .values()
+        .map(|e| (e.id.as_str(), e.node.as_str()))
+        .collect();
+    assert_eq!(held, [("c1", "node-a"), ("c2", "node-b")]);
+    assert_eq!(store.reservation_names(), ["10.0.0.1", "10.0.0.2"]);
+    // Back on node b, a new sandbox of the pod takes its node's entry over.
+    let again = handle(&store, &add("node-b", "c3")).await.unwrap().unwrap();
+    assert_eq!(addresses(&again), addresses(&elsewhere));
 }

@@ -419,7 +419,7 @@ fn a_window_larger_than_one_pool_object_holds_is_warned_about() {
     let w = warnings(json!({"type": "whereabouts", "range": "10.0.0.0/16"}));
     assert_eq!(w.len(), 1, "{w:?}");
     assert!(
-        w[0].starts_with("ipam.range \"10.0.0.0/16\" has 65534 allocatable addresses, but one IPPool object records about 7727")
+        w[0].starts_with("ipam.range \"10.0.0.0/16\" has 65534 allocatable addresses, but one IPPool object records about 6732")
             && w[0].contains("etcd's 1.5 MiB request limit")
             && w[0].contains("node slices"),
         "{}",

@@ -118,14 +118,16 @@ impl Owner {
     }
 
     /// The entry this attachment already holds in `pool`, which an ADD returns again: its
-    /// claim's, else its pod interface's ([`Owned::same_pod_interface`]).
+    /// claim's, else its pod interface's ([`Owned::same_pod_interface`]) on a node it may
+    /// rewrite ([`Owned::may_rewrite`]): another node's is a pod of that name that may still run
+    /// there, which the operator frees once it is gone.
     pub fn held_entry<'p>(&self, pool: &'p Pool) -> Option<(u128, &'p IPAllocation)> {
         match &self.holder {
             Holder::Claim(_) => self.claim_entries(pool).next(),
             _ => pool
                 .allocations
                 .iter()
-                .find(|(_, e)| e.same_pod_interface(self))
+                .find(|(_, e)| e.same_pod_interface(self) && self.may_rewrite(*e))
                 .map(|(o, e)| (*o, e)),
         }
     }

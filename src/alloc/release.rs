@@ -61,8 +61,7 @@ impl<S: Datastore> Engine<'_, S> {
                 .map(|(o, _)| o)
                 .collect()
         } else {
-            self.remove_in_turn(pool, &mine, &who.container_id, others)
-                .await?
+            self.remove_in_turn(pool, &mine, who, others).await?
         };
         for (offset, name, uid, rv) in held.announced.iter().chain(&held.unannounced) {
             if gone.contains(offset) {
@@ -118,14 +117,14 @@ impl<S: Datastore> Engine<'_, S> {
             .count())
     }
 
-    /// Removes our entries in the pool's writer turn, with everybody else's announced releases.
+    /// Removes our entries in the pool's writer turn, with the announced releases of our node.
     /// Returns the offsets gone from the pool, by us or by a turn holder; an offset now held by
     /// anyone else (re-bound to a newer container of the pod) keeps its reservation.
     async fn remove_in_turn(
         &self,
         pool: Pool,
         mine: &[(u128, IPAllocation)],
-        holder: &str,
+        who: &Owner,
         others: usize,
     ) -> Result<BTreeSet<u128>, StoreError> {
         let still_mine = |p: &Pool| {
@@ -133,9 +132,10 @@ impl<S: Datastore> Engine<'_, S> {
                 .any(|(o, e)| p.allocations.get(o).is_some_and(|c| c.same_container(e)))
         };
         let done = |p: &Pool| (!still_mine(p)).then_some(true);
-        let work = |fresh: Pool| self.remove_pending(fresh, mine);
+        let work = |fresh: Pool| self.remove_pending(fresh, mine, who);
         let name = pool.name.clone();
-        self.in_turn(pool, holder, others, done, work).await?;
+        self.in_turn(pool, &who.container_id, others, done, work)
+            .await?;
         let now = self.store.get_pool(&name).await?.unwrap_or_default();
         Ok(mine
             .iter()
@@ -144,14 +144,15 @@ impl<S: Datastore> Engine<'_, S> {
             .collect())
     }
 
-    /// A turn holder's work for DELs: removes its own entries and every announced release of the
-    /// pool (each only while its entry still holds the announcing container) in one write
-    /// conditional on the pool's resourceVersion, then follows up for releases announced
-    /// meanwhile.
+    /// A turn holder's work for DELs: removes its own entries and every release announced on its
+    /// node ([`Owned::may_rewrite`]; each only while its entry still holds the announcing
+    /// container) in one write conditional on the pool's resourceVersion, then follows up for
+    /// releases announced meanwhile. Another node's releases wait for a turn of that node's.
     async fn remove_pending(
         &self,
         mut pool: Pool,
         mine: &[(u128, IPAllocation)],
+        who: &Owner,
     ) -> Result<bool, StoreError> {
         let mut follow_ups = 0;
         for attempt in 0..MAX_CONFLICTS {
@@ -168,6 +169,7 @@ impl<S: Datastore> Engine<'_, S> {
             let releases = self.store.releases_of(&pool.name).await?;
             let mut offsets: BTreeSet<u128> = releases
                 .iter()
+                .filter(|c| who.may_rewrite(&c.spec))
                 .filter_map(|c| {
                     let o = self.target.range.offset_of(c.ip)?;
                     owned(&o, &c.spec.containerid, &c.spec.podref).then_some(o)

@@ -365,14 +365,7 @@ async fn create_reservation(
         )));
     }
     let e = &at.entry;
-    let spec = crate::crd::OverlappingRangeIPReservationSpec {
-        containerid: e.id.clone(),
-        podref: e.podref.clone(),
-        ifname: e.ifname.clone(),
-        poduid: e.poduid.clone(),
-        ipamclaimref: e.ipamclaimref.clone(),
-        statefulset: e.statefulset.clone(),
-    };
+    let spec = crate::crd::OverlappingRangeIPReservationSpec::from(e);
     Ok(
         match store.create_reservation(name, &spec, &at.pool, ip).await?.0 {
             Write::Done => Outcome::Done(format!(

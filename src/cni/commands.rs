@@ -409,14 +409,22 @@ async fn held_in<S: Datastore>(
     Ok((looked, None))
 }
 
-/// CNI 1.1 GC: releases entries of this network's pools whose attachment is not in
-/// `cni.dev/valid-attachments` *and* whose pod no longer exists. The list a runtime passes covers
-/// its own node only, so the pod check is what keeps other nodes' live pods safe.
+/// CNI 1.1 GC: releases this node's entries of this network's pools whose attachment is not in
+/// `cni.dev/valid-attachments` *and* whose pod is no longer on this node. The list a runtime
+/// passes covers its own node only, so entries of other nodes, and entries that record no node
+/// (upstream's, ours from before nodes were recorded), are never GC's: the operator frees those
+/// whose pods are gone. The pods are listed by this node's name (metadata only).
 async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
     let valid = valid_attachments(&req.conf.value)?;
+    let Some(node) = req.node.as_deref() else {
+        tracing::warn!(
+            "gc: the node's name is unknown (NODENAME, whereabouts.d/nodename): nothing is released"
+        );
+        return Ok(0);
+    };
     let retry =
         |e: crate::store::StoreError| CniError::new(Code::TryAgainLater, format!("datastore: {e}"));
-    let mut pods = None;
+    let mut pods = HashMap::new();
     let mut released = 0;
     let mut targets = Vec::new();
     for i in 0..req.targets.len() {
@@ -429,19 +437,16 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
         let unknown: Vec<_> = pool
             .allocations
             .iter()
-            .filter(|(_, e)| !is_valid(&valid, e))
+            .filter(|(_, e)| e.node == node && !is_valid(&valid, e))
             .map(|(o, e)| (*o, e.clone()))
             .collect();
         if unknown.is_empty() {
             continue;
         }
-        if pods.is_none() {
-            pods = Some(store.pod_uids().await.map_err(retry)?);
-        }
-        let pods = pods.as_ref().expect("loaded above");
+        live_pods(store, &unknown, &mut pods).await.map_err(retry)?;
         let gone: Vec<_> = unknown
             .into_iter()
-            .filter(|(_, e)| crate::ownership::is_stale(e, pods))
+            .filter(|(_, e)| crate::ownership::is_stale(e, &pods))
             .collect();
         released += Engine::new(store, target)
             .release_entries(&gone)
@@ -451,6 +456,34 @@ async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, CniError> {
     }
     tracing::info!(released, "gc");
     Ok(released)
+}
+
+/// Adds the UIDs of the pods of `entries` not looked up yet to `live` (a pod that does not exist
+/// is left out): one GET of metadata per pod, a few at a time, instead of a list of every pod,
+/// which the node's identity has no right to.
+async fn live_pods<S: Datastore>(
+    store: &S,
+    entries: &[(u128, crate::crd::IPAllocation)],
+    live: &mut HashMap<String, String>,
+) -> Result<(), crate::store::StoreError> {
+    let mut podrefs: Vec<String> = entries.iter().map(|(_, e)| e.podref.clone()).collect();
+    podrefs.sort_unstable();
+    podrefs.dedup();
+    podrefs.retain(|p| !live.contains_key(p));
+    for chunk in podrefs.chunks(8) {
+        let gets = chunk.iter().map(|podref| async move {
+            match podref.split_once('/') {
+                Some((namespace, name)) => store.get_pod(namespace, name).await,
+                None => Ok(None),
+            }
+        });
+        for (podref, pod) in chunk.iter().zip(futures::future::join_all(gets).await) {
+            if let Some(pod) = pod? {
+                live.insert(podref.clone(), pod.uid);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The runtime's valid attachments by container id.

@@ -30,7 +30,8 @@ pub struct Request {
     /// What each range's address is allocated from, in the order of `ipam.ranges` (a sliced
     /// range's target is its whole range; the node's slices are read by [`super::slices`]).
     pub targets: Vec<Target>,
-    /// The node's name, when a range is sliced (`node_slice_size`).
+    /// The node's name: required when a range is sliced (`node_slice_size`), else recorded in
+    /// the entries and claims when found (see [`slices::node_name`]).
     pub node: Option<String>,
     /// The address requested for each range (`runtimeConfig.ips`, `args.cni.ips`), if any.
     pub requested: Vec<Option<std::net::IpAddr>>,
@@ -95,7 +96,7 @@ pub struct Invocation {
     node_keys: NodeKeyProblems,
     /// A kubeconfig that the network config named inside the node's directories.
     kubeconfig_check: Option<NamedFile>,
-    /// `NODENAME`, the node's name where node slices need it.
+    /// `NODENAME`, the node's name.
     nodename_env: Option<String>,
 }
 
@@ -221,16 +222,17 @@ impl Invocation {
             return Err(invalid_config(&p));
         }
         let requested = requested::assign(&ipam.ranges, &requested)?;
+        let node = self.node_name(merged, &ipam)?;
         let attachment = Owner {
             container_id: self.container_id.clone(),
             ifname: self.ifname.clone(),
             podref: args.podref(),
             pod_uid: args.pod_uid.clone(),
+            node: node.clone().unwrap_or_default(),
             holder: Default::default(),
         };
         require_env(command, &attachment)?;
         let targets = ipam.ranges.iter().map(|r| target(r, &ipam)).collect();
-        let node = self.node_name(merged, &ipam)?;
         Ok(Request {
             command,
             attachment,
@@ -245,11 +247,12 @@ impl Invocation {
         })
     }
 
-    /// The node's name, read only when a range is sliced (see [`slices::node_name`]).
+    /// The node's name (see [`slices::node_name`]): an error only when a range is sliced, which
+    /// cannot do without it. Elsewhere an entry without a node is still an entry: CNI GC leaves
+    /// it to the operator, and with node credentials the node-limits policy refuses its claim,
+    /// naming the missing node.
     fn node_name(&self, merged: &Value, ipam: &IpamConfig) -> Result<Option<String>, CniError> {
-        if ipam.ranges.iter().all(|r| r.node_slice.is_none()) {
-            return Ok(None);
-        }
+        let sliced = ipam.ranges.iter().any(|r| r.node_slice.is_some());
         let flat_file = self.flat_file.as_ref().ok().and_then(Option::as_ref);
         let from = slices::NodeNameSources {
             env: self.nodename_env.as_deref(),
@@ -257,7 +260,14 @@ impl Invocation {
             flat_file: flat_file.map(|(path, _)| path.as_path()),
             hostname_file: std::path::Path::new("/etc/hostname"),
         };
-        slices::node_name(&from).map(Some)
+        match slices::node_name(&from) {
+            Ok(name) => Ok(Some(name)),
+            Err(e) if sliced => Err(e),
+            Err(e) => {
+                tracing::debug!(error = %e.msg, "the node's name is unknown: entries record none");
+                Ok(None)
+            }
+        }
     }
 }
 

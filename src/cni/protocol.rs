@@ -97,8 +97,18 @@ struct ErrorReply<'a> {
 
 impl CniError {
     /// A datastore failure: worth retrying (code 11), its kind in `details`.
+    /// A datastore error: try again later (the runtime retries). A 401 says what to look at: the
+    /// node's token is short-lived and bound to the DaemonSet's pod on the node.
     pub fn datastore(e: &crate::store::StoreError) -> Self {
-        CniError::new(Code::TryAgainLater, format!("datastore: {e}")).with_details(e.kind())
+        let hint = match e {
+            crate::store::StoreError::Api { code: 401, .. } => {
+                " (the API server does not accept the plugin's credentials: the token in its \
+                 kubeconfig expired or the pod it was issued to is gone; the whereabouts \
+                 DaemonSet's pod on this node renews it while it runs)"
+            }
+            _ => "",
+        };
+        CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}")).with_details(e.kind())
     }
 
     pub fn new(code: Code, msg: impl Into<String>) -> Self {

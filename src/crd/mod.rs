@@ -29,6 +29,11 @@ pub struct IPAllocation {
     /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub poduid: String,
+    /// The node whose plugin wrote the entry. Ours, like `poduid`: the node-limits policy lets a
+    /// node's credentials add or remove only entries that name that node, and CNI GC frees only
+    /// its own node's. Empty in entries written by upstream or before this field existed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
     /// The IPAMClaim (`<namespace>/<name>`) that holds this address past its pods: DEL, CNI GC
     /// and pod cleanup leave the entry alone, deleting the claim frees it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -124,6 +129,9 @@ pub struct OverlappingRangeIPReservationSpec {
     /// UID of the pod (from `K8S_POD_UID`), when the runtime passed it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub poduid: String,
+    /// The node that made the claim, as on the pool entry.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
     /// The IPAMClaim holding the address, as on the pool entry.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub ipamclaimref: String,
@@ -141,6 +149,7 @@ impl From<&IPAllocation> for OverlappingRangeIPReservationSpec {
             podref: entry.podref.clone(),
             ifname: entry.ifname.clone(),
             poduid: entry.poduid.clone(),
+            node: entry.node.clone(),
             ipamclaimref: entry.ipamclaimref.clone(),
             statefulset: entry.statefulset.clone(),
         }

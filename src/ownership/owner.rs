@@ -14,6 +14,7 @@
 //! | [`Owned::same_claimant`] | the pod, the container where known | which reservation a release deletes (`alloc::claim`, `controller::cleanup`), the audit's foreign-claim check |
 //! | [`Owned::same_pod_interface`] | the pod's interface, any container | ADD's idempotency (`Owner::held_entry`), taking over a claim |
 //! | [`Owned::same_claim`] | the IPAMClaim | ADD of a claim's next pod, claimed entries |
+//! | [`Owned::may_rewrite`] | the writer's node, or the same holder | ADD's idempotency and take-over (never another node's attachment), a turn holder's removal of announced releases; the node-limits admission policy says the same to a node's credentials |
 //! | [`Owned::incarnation`] | the pod's UID | pod cleanup (`belongs_to`), CNI GC and the audit (`is_stale`), held addresses (`is_pod_gone`) |
 //!
 //! `tests.rs` holds each writer's owner (our plugin, the agent, upstream's versions, a retried
@@ -33,6 +34,8 @@ pub struct Owner {
     pub podref: String,
     /// `K8S_POD_UID`: tells two pods of one name apart (a StatefulSet's replacement).
     pub pod_uid: String,
+    /// The node the attachment is on (empty where unknown: the operator, an old record).
+    pub node: String,
     /// What keeps the address past this pod, if anything.
     pub holder: Holder,
 }
@@ -79,10 +82,10 @@ impl Holder {
         Holder::of(&entry.ipamclaimref, &entry.statefulset)
     }
 
-    fn statefulset(&self) -> String {
+    fn statefulset(&self) -> &str {
         match self {
-            Holder::StatefulSet(name) => name.clone(),
-            _ => String::new(),
+            Holder::StatefulSet(name) => name,
+            _ => "",
         }
     }
 }
@@ -100,6 +103,7 @@ impl Owner {
             ifname: spec.ifname.clone(),
             podref: spec.podref.clone(),
             pod_uid: spec.poduid.clone(),
+            node: spec.node.clone(),
             holder: Holder::of(&spec.ipamclaimref, &spec.statefulset),
         }
     }
@@ -111,8 +115,9 @@ impl Owner {
             podref: self.podref.clone(),
             ifname: self.ifname.clone(),
             poduid: self.pod_uid.clone(),
+            node: self.node.clone(),
             ipamclaimref: Owned::claim_ref(self).to_owned(),
-            statefulset: self.holder.statefulset(),
+            statefulset: self.holder.statefulset().to_owned(),
         }
     }
 
@@ -140,6 +145,10 @@ pub trait Owned {
     fn pod_uid(&self) -> &str;
     /// The IPAMClaim holding the address (`<namespace>/<name>`), empty when none does.
     fn claim_ref(&self) -> &str;
+    /// The StatefulSet whose ordinal holds the address, empty when none does.
+    fn statefulset(&self) -> &str;
+    /// The node of the attachment, empty where unknown.
+    fn node(&self) -> &str;
 
     /// The same attachment in CNI's sense: one container's interface (`CNI_CONTAINERID` and
     /// `CNI_IFNAME`; the pod is not part of the key, and a DEL may omit it). An entry without an
@@ -177,10 +186,30 @@ pub trait Owned {
         !self.claim_ref().is_empty() && self.claim_ref() == other.claim_ref()
     }
 
+    /// Held by the same holder, which moves with its pod to whichever node runs it: the same
+    /// IPAMClaim, or the same StatefulSet ordinal (the same StatefulSet and pod name).
+    fn same_holder(&self, other: &(impl Owned + ?Sized)) -> bool {
+        self.same_claim(other)
+            || (!self.statefulset().is_empty()
+                && self.statefulset() == other.statefulset()
+                && self.podref() == other.podref())
+    }
+
+    /// Whether this owner's node may remove or rewrite what `other` recorded: a record of its own
+    /// node or of no known node (upstream's entries, ours from before nodes were recorded), or
+    /// one held by the same holder ([`Owned::same_holder`]). The same rule as the node-limits
+    /// admission policy puts on a node's credentials (`config/rbac/node-limits.yaml`): a node
+    /// never takes over an attachment of another node, which may still be running there (a
+    /// partitioned node's pod, force-deleted and re-created under its name elsewhere). A writer
+    /// that knows no node (the operator) may rewrite anything.
+    fn may_rewrite(&self, other: &(impl Owned + ?Sized)) -> bool {
+        agree(self.node(), other.node()) || self.same_holder(other)
+    }
+
     /// Whether a reservation of `other` is this owner's to take over: the same claim, or the same
-    /// pod interface.
+    /// pod interface on a node this owner may rewrite ([`Owned::may_rewrite`]).
     fn may_take_over(&self, other: &(impl Owned + ?Sized)) -> bool {
-        self.same_claim(other) || self.same_pod_interface(other)
+        self.same_claim(other) || (self.same_pod_interface(other) && self.may_rewrite(other))
     }
 
     /// Whether `other` is the same incarnation of this owner's pod: the UID decides where both
@@ -217,6 +246,12 @@ impl Owned for Owner {
             _ => "",
         }
     }
+    fn statefulset(&self) -> &str {
+        self.holder.statefulset()
+    }
+    fn node(&self) -> &str {
+        &self.node
+    }
 }
 
 impl Owned for IPAllocation {
@@ -234,6 +269,12 @@ impl Owned for IPAllocation {
     }
     fn claim_ref(&self) -> &str {
         &self.ipamclaimref
+    }
+    fn statefulset(&self) -> &str {
+        &self.statefulset
+    }
+    fn node(&self) -> &str {
+        &self.node
     }
 }
 
@@ -253,6 +294,12 @@ impl Owned for OverlappingRangeIPReservationSpec {
     fn claim_ref(&self) -> &str {
         &self.ipamclaimref
     }
+    fn statefulset(&self) -> &str {
+        &self.statefulset
+    }
+    fn node(&self) -> &str {
+        &self.node
+    }
 }
 
 impl Owned for LivePod<'_> {
@@ -269,6 +316,12 @@ impl Owned for LivePod<'_> {
         self.uid
     }
     fn claim_ref(&self) -> &str {
+        ""
+    }
+    fn statefulset(&self) -> &str {
+        ""
+    }
+    fn node(&self) -> &str {
         ""
     }
 }

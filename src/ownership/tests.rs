@@ -152,6 +152,7 @@ struct Row {
     container: bool,
     claimant: bool,
     pod_interface: bool,
+    rewrite: bool,
     take_over: bool,
     incarnation: Incarnation,
 }
@@ -162,7 +163,16 @@ fn owner(container: &str, ifname: &str, podref: &str, uid: &str, holder: Holder)
         ifname: ifname.into(),
         podref: podref.into(),
         pod_uid: uid.into(),
+        node: "n1".into(),
         holder,
+    }
+}
+
+/// `o` on another node (empty: a record of no known node).
+fn on(node: &str, o: Owner) -> Owner {
+    Owner {
+        node: node.into(),
+        ..o
     }
 }
 
@@ -170,21 +180,25 @@ fn owner(container: &str, ifname: &str, podref: &str, uid: &str, holder: Holder)
 fn rows() -> Vec<Row> {
     use Incarnation::*;
     let pod = Holder::Pod;
-    let row = |writer, other, [attachment, container, claimant, pod_interface, take_over]: [bool; 5], incarnation| Row {
-        writer, other, attachment, container, claimant, pod_interface, take_over, incarnation,
+    let web = || Holder::StatefulSet("web".into());
+    let row = |writer, other, [attachment, container, claimant, pod_interface, rewrite, take_over]: [bool; 6], incarnation| Row {
+        writer, other, attachment, container, claimant, pod_interface, rewrite, take_over, incarnation,
     };
     vec![
-        //                                                                                                      attach container claimant pod-if take-over
-        row("the same ADD again (plugin, agent group, writer turn)", owner("c1", "net1", "ns/web-0", "u1", pod.clone()), [true, true, true, true, true], Same),
-        row("a new sandbox of the pod (runtime's retry)", owner("c2", "net1", "ns/web-0", "u1", pod.clone()), [false, false, false, true, true], Same),
-        row("the same container's second network", owner("c1", "net2", "ns/web-0", "u1", pod.clone()), [false, true, true, false, false], Same),
-        row("the StatefulSet's replacement pod", owner("c3", "net1", "ns/web-0", "u2", pod.clone()), [false, false, false, true, true], Other),
-        row("upstream's plugin, same container (no UID)", owner("c1", "net1", "ns/web-0", "", pod.clone()), [true, true, true, true, true], Unknown),
-        row("very old upstream (no interface, no UID)", owner("c1", "", "ns/web-0", "", pod.clone()), [true, true, true, false, false], Unknown),
-        row("old upstream reservation (the pod alone)", owner("", "net1", "ns/web-0", "", pod.clone()), [false, false, true, true, true], Unknown),
-        row("a DEL whose runtime passed no pod", owner("c1", "net1", "", "", pod.clone()), [true, false, false, false, false], Other),
-        row("another pod", owner("c9", "net1", "ns/db-0", "u9", pod.clone()), [false, false, false, false, false], Other),
-        row("the pod's entry held by its StatefulSet", owner("c1", "net1", "ns/web-0", "u1", Holder::StatefulSet("web".into())), [true, true, true, true, true], Same),
+        //                                                                                                      attach container claimant pod-if rewrite take-over
+        row("the same ADD again (plugin, agent group, writer turn)", owner("c1", "net1", "ns/web-0", "u1", pod.clone()), [true, true, true, true, true, true], Same),
+        row("a new sandbox of the pod (runtime's retry)", owner("c2", "net1", "ns/web-0", "u1", pod.clone()), [false, false, false, true, true, true], Same),
+        row("the same container's second network", owner("c1", "net2", "ns/web-0", "u1", pod.clone()), [false, true, true, false, true, false], Same),
+        row("the StatefulSet's replacement pod", owner("c3", "net1", "ns/web-0", "u2", pod.clone()), [false, false, false, true, true, true], Other),
+        row("upstream's plugin, same container (no UID, no node)", on("", owner("c1", "net1", "ns/web-0", "", pod.clone())), [true, true, true, true, true, true], Unknown),
+        row("very old upstream (no interface, no UID)", on("", owner("c1", "", "ns/web-0", "", pod.clone())), [true, true, true, false, true, false], Unknown),
+        row("old upstream reservation (the pod alone)", on("", owner("", "net1", "ns/web-0", "", pod.clone())), [false, false, true, true, true, true], Unknown),
+        row("a DEL whose runtime passed no pod", owner("c1", "net1", "", "", pod.clone()), [true, false, false, false, true, false], Other),
+        row("another pod", owner("c9", "net1", "ns/db-0", "u9", pod.clone()), [false, false, false, false, true, false], Other),
+        row("the pod's entry held by its StatefulSet", owner("c1", "net1", "ns/web-0", "u1", web()), [true, true, true, true, true, true], Same),
+        row("a pod of the name on another node (force-deleted, re-created)", on("n2", owner("c4", "net1", "ns/web-0", "u4", pod.clone())), [false, false, false, true, false, false], Other),
+        row("another pod on another node", on("n2", owner("c9", "net1", "ns/db-0", "u9", pod.clone())), [false, false, false, false, false, false], Other),
+        row("the operator (knows no node)", on("", owner("", "", "ns/web-0", "u1", pod.clone())), [false, false, true, false, true, false], Same),
     ]
 }
 
@@ -198,6 +212,7 @@ fn every_writer_against_every_comparison() {
             o.same_container(&me),
             o.same_claimant(&me),
             o.same_pod_interface(&me),
+            me.may_rewrite(o),
             me.may_take_over(o),
             o.incarnation(&me),
         );
@@ -206,6 +221,7 @@ fn every_writer_against_every_comparison() {
             r.container,
             r.claimant,
             r.pod_interface,
+            r.rewrite,
             r.take_over,
             r.incarnation,
         );
@@ -216,14 +232,27 @@ fn every_writer_against_every_comparison() {
             me.same_container(o),
             me.same_claimant(o),
             me.same_pod_interface(o),
+            o.may_rewrite(&me),
             o.may_take_over(&me),
             me.incarnation(o),
         );
         assert_eq!(back, want, "{} (asked the other way)", r.writer);
         // An entry and a claim of the same owner read back as that owner.
         let e = o.entry();
-        let recorded = (e.container_id(), e.ifname(), e.podref(), e.pod_uid());
-        let own = (o.container_id(), o.ifname(), o.podref(), o.pod_uid());
+        let recorded = (
+            e.container_id(),
+            e.ifname(),
+            e.podref(),
+            e.pod_uid(),
+            e.node(),
+        );
+        let own = (
+            o.container_id(),
+            o.ifname(),
+            o.podref(),
+            o.pod_uid(),
+            o.node(),
+        );
         assert_eq!(
             (recorded, Holder::of_entry(&e)),
             (own, o.holder.clone()),
@@ -256,4 +285,26 @@ fn pods_of_one_ipamclaim_share_its_address_and_nothing_else() {
 fn an_empty_container_id_is_no_attachment() {
     let blank = owner("", "net1", "ns/p", "", Holder::Pod);
     assert!(!blank.same_attachment(&blank));
+}
+
+#[test]
+fn an_address_held_past_its_pod_follows_the_pod_to_any_node() {
+    let web = |c: &str, pod: &str| owner(c, "net1", pod, "u", Holder::StatefulSet("web".into()));
+    let here = web("c2", "ns/web-0");
+    // The ordinal's address, recorded on n2, is taken over by the pod's replacement here ...
+    assert!(here.may_take_over(&on("n2", web("c1", "ns/web-0"))));
+    // ... but not another ordinal's, nor an unheld entry of the name.
+    assert!(!here.may_rewrite(&on("n2", web("c1", "ns/web-1"))));
+    let plain = on("n2", owner("c1", "net1", "ns/web-0", "u", Holder::Pod));
+    assert!(!here.may_take_over(&plain));
+    let claim = |c: &str| {
+        owner(
+            c,
+            "net1",
+            "vms/launcher",
+            "u",
+            Holder::Claim("vms/vm1".into()),
+        )
+    };
+    assert!(claim("c2").may_take_over(&on("n2", claim("c1"))));
 }

@@ -21,7 +21,7 @@
 pub mod kubernetes;
 pub mod memory;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::future::Future;
 
 use thiserror::Error;
@@ -361,8 +361,6 @@ pub trait Datastore: Send + Sync {
         uid: &str,
         resource_version: Option<&str>,
     ) -> impl Future<Output = Result<Write>> + Send;
-    /// UIDs of all pods by `<namespace>/<name>` (one LIST of metadata; used by GC only).
-    fn pod_uids(&self) -> impl Future<Output = Result<HashMap<String, String>>> + Send;
     /// A NodeSlicePool (the node slices of a range), its resourceVersion in its metadata.
     fn get_node_slice_pool(
         &self,

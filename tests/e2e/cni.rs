@@ -32,11 +32,12 @@ fn design_discussion_configs_give_the_expected_addresses_in_order() {
         r.addresses(),
         ["12.12.12.1/24", "10.10.10.22/24", "2001::17/64"]
     );
-    // Stored objects: upstream names and offset keys, plus the pod UID.
+    // Stored objects: upstream names and offset keys, plus the pod UID and the node (the
+    // `nodename` file next to the node's flat file, as the installer writes it).
     let v6 = ns.allocations("2001---64");
     assert_eq!(
         v6["22"],
-        json!({"id": "c2", "podref": format!("{}/pod2", ns.name), "ifname": "net1", "poduid": "u2"})
+        json!({"id": "c2", "podref": format!("{}/pod2", ns.name), "ifname": "net1", "poduid": "u2", "node": ns.name})
     );
     assert_eq!(v6["23"]["id"], "c3");
     let pool = ns.get_json(&["ippool", "12.12.12.0-24"]).unwrap();

@@ -123,6 +123,8 @@ impl Ns {
             .to_string(),
         )
         .unwrap();
+        // ... named after the namespace, as the installer names the node next to its flat file.
+        std::fs::write(ns.dir.path().join("nodename"), format!("{name}\n")).unwrap();
         ns
     }
 

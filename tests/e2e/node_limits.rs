@@ -7,7 +7,12 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use crate::harness::{Ns, admin_kubeconfig, cluster_env, eventually, kubectl_raw, kustomize};
+use std::collections::BTreeSet;
+
+use crate::harness::{
+    Cni, CniCall, Ns, admin_kubeconfig, cluster_env, eventually, kubectl_raw, kustomize,
+};
+use crate::slices::{SimNode, upstream_bin};
 
 const SYSTEM: &str = "whereabouts-system";
 const NODE: &str = "whereabouts-node";
@@ -25,7 +30,7 @@ fn node_account(ns: &Ns) -> PathBuf {
                 || kind == "PriorityLevelConfiguration"
         })
         .collect();
-    assert_eq!(limits.len(), 4, "{limits:?}");
+    assert_eq!(limits.len(), 6, "{limits:?}");
     let admin = |args: &[&str], stdin: Option<&str>| {
         let out = kubectl_raw(admin_kubeconfig(), args, stdin);
         assert!(
@@ -165,4 +170,283 @@ fn the_node_identity_writes_only_writer_turn_leases_in_its_own_priority_level() 
             && log.contains(&format!("x-kubernetes-pf-prioritylevel-uid: {level}")),
         "{log}"
     );
+}
+
+/// Applies the node's RBAC of config/default with its Role in `ns` (the pool namespace of this
+/// test) instead of kube-system, and the node-limits objects.
+fn node_rights(ns: &Ns) {
+    let objects: Vec<Value> = kustomize("config/default")
+        .into_iter()
+        .filter(|o| {
+            let kind = o["kind"].as_str().unwrap_or_default();
+            let name = o["metadata"]["name"].as_str().unwrap_or_default();
+            kind.starts_with("ValidatingAdmissionPolicy")
+                || kind == "FlowSchema"
+                || kind == "PriorityLevelConfiguration"
+                || (name == NODE && kind.contains("Role"))
+                || (name == SYSTEM && kind == "Namespace")
+                || (name == NODE && kind == "ServiceAccount")
+        })
+        .map(|mut o| {
+            if o["kind"] == "Role" || o["kind"] == "RoleBinding" {
+                o["metadata"]["namespace"] = ns.name.clone().into();
+            }
+            o
+        })
+        .collect();
+    assert_eq!(objects.len(), 12, "{objects:?}");
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &["apply", "-f", "-"],
+        Some(&list.to_string()),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A kubeconfig with a token of the node account bound to a pod on `node`, as the DaemonSet's
+/// projected token is (the API server adds the node's name to the identity). The pod never runs:
+/// this tier has no kubelet.
+fn node_token(ns: &Ns, node: &str) -> PathBuf {
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("agent-{node}"), "namespace": SYSTEM},
+        "spec": {"nodeName": node, "serviceAccountName": NODE, "automountServiceAccountToken": false,
+                 "containers": [{"name": "agent", "image": "whereabouts:never-pulled"}]}});
+    let admin = |args: &[&str], stdin: Option<&str>| {
+        let out = kubectl_raw(admin_kubeconfig(), args, stdin);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    admin(&["create", "-f", "-"], Some(&pod.to_string()));
+    let name = format!("agent-{node}");
+    let uid = admin(
+        &[
+            "-n",
+            SYSTEM,
+            "get",
+            "pod",
+            &name,
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ],
+        None,
+    );
+    let token = admin(
+        &[
+            "-n",
+            SYSTEM,
+            "create",
+            "token",
+            NODE,
+            "--duration=10m",
+            "--bound-object-kind=Pod",
+            &format!("--bound-object-name={name}"),
+            &format!("--bound-object-uid={uid}"),
+        ],
+        None,
+    );
+    let kubeconfig = ns.dir.path().join(format!("{node}.kubeconfig"));
+    let text = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {
+            "server": cluster_env("APISERVER_URL"),
+            "certificate-authority": cluster_env("CA_CERT")}}],
+        "users": [{"name": "node", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
+        "current-context": "c",
+    });
+    std::fs::write(&kubeconfig, text.to_string()).unwrap();
+    kubeconfig
+}
+
+/// One node's credentials (a token bound to it, the shipped RBAC and policies) change only that
+/// node's work: its own ADD, CHECK, DEL and CNI GC work; another node's entries, reservations and
+/// slices, a pool delete and a pod list are refused, each naming why. Upstream's plugin (its own,
+/// unbound identity) shares the pool.
+#[test]
+fn a_nodes_credentials_change_only_that_nodes_work() {
+    let ns = Ns::new("nodewrites");
+    node_rights(&ns);
+    let (a, b) = (SimNode::new(&ns, "a", false), SimNode::new(&ns, "b", false));
+    let (a_creds, b_creds) = (node_token(&ns, &a.name), node_token(&ns, &b.name));
+    a.use_credentials(&a_creds);
+    b.use_credentials(&b_creds);
+    let ipam = json!({"range": "10.94.0.0/24"});
+    let pool = "10.94.0.0-24";
+    let denied = |out: &std::process::Output, what: &str| {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(what), "{err}");
+    };
+    let first = a.run(&ns, "ADD", &ipam, &["a1".into()]);
+    assert!(first[0].ok, "{:?}", first[0]);
+    for (node, pod) in [(&a, "a2"), (&b, "b1")] {
+        let r = node.run(&ns, "ADD", &ipam, &[pod.into()]);
+        assert!(r[0].ok, "{pod}: {:?}", r[0]);
+    }
+    let entries = ns.allocations(pool);
+    let node_of = |pod: &str| {
+        let podref = format!("{}/{pod}", ns.name);
+        let (offset, e) = entries
+            .iter()
+            .find(|(_, e)| e["podref"] == podref.as_str())
+            .unwrap();
+        (
+            offset.clone(),
+            e["node"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    assert_eq!(node_of("a1").1, a.name);
+    assert_eq!(node_of("b1").1, b.name);
+
+    // With a's token: b's entry cannot be removed or taken, b's claim not deleted, no claim made
+    // in b's name, no pods listed.
+    let b1 = node_of("b1").0;
+    let remove = json!([{"op": "remove", "path": format!("/spec/allocations/{b1}")}]).to_string();
+    // (Refused once the API server has loaded the policy.)
+    let why = format!("it changed {b1} (node {} to removed)", b.name);
+    let patch = ["patch", "ippool", pool, "--type=json", "-p", &remove];
+    assert!(
+        eventually(30, || {
+            let out = kubectl_raw(&a_creds, &patch, None);
+            assert!(!out.status.success(), "node a removed node b's entry");
+            String::from_utf8_lossy(&out.stderr).contains(&why)
+        }),
+        "{}",
+        String::from_utf8_lossy(&kubectl_raw(&a_creds, &patch, None).stderr)
+    );
+    // No pool can be deleted (RBAC, and the policy too).
+    let out = kubectl_raw(&a_creds, &["delete", "ippool", pool], None);
+    denied(&out, "forbidden");
+    let b1_claim = format!("10.94.0.{b1}");
+    let out = kubectl_raw(
+        &a_creds,
+        &["delete", "overlappingrangeipreservation", &b1_claim],
+        None,
+    );
+    denied(&out, &format!("not {b1_claim} (node {})", b.name));
+    let claim = json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+        "metadata": {"name": "10.94.0.99"}, "spec": {"podref": "x/y", "containerid": "c", "node": b.name}});
+    let out = kubectl_raw(&a_creds, &["create", "-f", "-"], Some(&claim.to_string()));
+    denied(&out, "may write only its own node's reservations");
+    let out = kubectl_raw(&a_creds, &["get", "pods", "-A"], None);
+    denied(&out, "cannot list resource \"pods\"");
+    assert!(ns.allocations(pool).contains_key(&b1));
+
+    // NodeSlicePools: a free slice can be taken for a, b's cannot.
+    let slices = json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "NodeSlicePool",
+        "metadata": {"name": "sliced"}, "spec": {"range": "10.95.0.0/24", "sliceSize": "/26"},
+        "status": {"allocations": [{"nodeName": b.name, "sliceRange": "10.95.0.0/26"},
+                                   {"nodeName": "", "sliceRange": "10.95.0.64/26"}]}});
+    ns.kubectl_ok_stdin(&["create", "-f", "-"], &slices.to_string());
+    // As the plugin takes a slice: the object read, replaced at its version.
+    let take = |i: usize| {
+        let mut read = ns.get_json(&["nodeslicepool", "sliced"]).unwrap();
+        read["status"]["allocations"][i]["nodeName"] = a.name.clone().into();
+        kubectl_raw(&a_creds, &["replace", "-f", "-"], Some(&read.to_string()))
+    };
+    denied(&take(0), "may only take free slices");
+    let out = take(1);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // a's own CHECK, DEL and GC work: GC frees a's entry whose pod is gone, never b's.
+    let mut check = a.conf(&ipam);
+    check["prevResult"] = first[0].stdout.clone();
+    let call = |command, conf: &Value, container, args: &str| {
+        Cni::run(&CniCall {
+            command,
+            conf,
+            container,
+            ifname: "net1",
+            netns: "/var/run/netns/none",
+            args,
+            path: None,
+        })
+    };
+    let args = format!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=a1;K8S_POD_UID=uid-a1",
+        ns.name
+    );
+    let r = call("CHECK", &check, "c-a1", &args);
+    assert!(r.ok, "{r:?}");
+    let del = a.run(&ns, "DEL", &ipam, &["a1".into()]);
+    assert!(del[0].ok, "{:?}", del[0]);
+    let mut gc = a.conf(&ipam);
+    gc["cniVersion"] = "1.1.0".into();
+    gc["cni.dev/valid-attachments"] = json!([]);
+    let r = call("GC", &gc, "", "");
+    assert!(r.ok, "{r:?}");
+    let pods_left = || -> BTreeSet<String> {
+        ns.allocations(pool)
+            .values()
+            .map(|e| {
+                e["podref"]
+                    .as_str()
+                    .unwrap()
+                    .rsplit('/')
+                    .next()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    };
+    assert_eq!(pods_left(), BTreeSet::from(["b1".to_owned()]));
+
+    // Upstream's plugin, with its own identity, writes the same pool, and drops the node of every
+    // entry it rewrites: b's entry is then anyone's, as upstream's own are; b's DEL still works.
+    let upstream = SimNode::new(&ns, "u", false);
+    let up = upstream.run_with(&upstream_bin(), &ns, "ADD", &ipam, &["up1".into()]);
+    assert!(up[0].ok, "{:?}", up[0]);
+    let del = b.run(&ns, "DEL", &ipam, &["b1".into()]);
+    assert!(del[0].ok, "{:?}", del[0]);
+    assert_eq!(pods_left(), BTreeSet::from(["up1".to_owned()]));
+
+    // A node whose token died (its pod deleted, as when the DaemonSet's pod goes; an expired
+    // token is refused the same way) fails its ADD with a word on why, and writes nothing.
+    let pod = format!("agent-{}", a.name);
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &[
+            "-n",
+            SYSTEM,
+            "delete",
+            "pod",
+            &pod,
+            "--grace-period=0",
+            "--force",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // (The API server may accept a token for a few seconds after its pod went: its cache.)
+    assert!(
+        eventually(30, || {
+            let out = kubectl_raw(&a_creds, &["get", "ippool", pool], None);
+            String::from_utf8_lossy(&out.stderr).contains("Unauthorized")
+        }),
+        "the dead token still works"
+    );
+    let r = a.run(&ns, "ADD", &ipam, &["a3".into()]);
+    let msg = r[0].stdout["msg"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("does not accept the plugin's credentials") && r[0].stdout["code"] == 11,
+        "{:?}",
+        r[0]
+    );
+    assert_eq!(pods_left(), BTreeSet::from(["up1".to_owned()]));
 }

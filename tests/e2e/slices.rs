@@ -12,15 +12,15 @@ use crate::agent::Agent;
 use crate::harness::{Cni, Ns, OperatorProcess, eventually, repo, whereabouts_bin};
 
 /// A simulated node: a Node object (deleted when dropped), and its own flat file and `nodename`.
-struct SimNode {
-    name: String,
+pub(crate) struct SimNode {
+    pub(crate) name: String,
     dir: PathBuf,
     kubeconfig: PathBuf,
     agent: Option<Agent>,
 }
 
 impl SimNode {
-    fn new(ns: &Ns, suffix: &str, with_agent: bool) -> SimNode {
+    pub(crate) fn new(ns: &Ns, suffix: &str, with_agent: bool) -> SimNode {
         let name = format!("{}-{suffix}", ns.name);
         let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}});
         let out = ns.kubectl(&["create", "-f", "-"], Some(&node.to_string()));
@@ -50,8 +50,15 @@ impl SimNode {
         }
     }
 
+    /// The plugin of this node (without an agent) talks to the API server with `kubeconfig`'s
+    /// credentials (a token bound to this node, say), as the installer's kubeconfig makes it.
+    pub(crate) fn use_credentials(&self, kubeconfig: &Path) {
+        let flat = json!({"kubernetes": {"kubeconfig": kubeconfig}, "plugin_slots_dir": self.dir.join("plugin-slots")});
+        std::fs::write(self.dir.join("whereabouts.conf"), flat.to_string()).unwrap();
+    }
+
     /// The network config as this node's runtime passes it: the NAD's ipam, the node's flat file.
-    fn conf(&self, ipam: &Value) -> Value {
+    pub(crate) fn conf(&self, ipam: &Value) -> Value {
         let mut ipam = ipam.clone();
         ipam["type"] = "whereabouts".into();
         ipam["configuration_path"] = self.dir.join("whereabouts.conf").to_str().unwrap().into();
@@ -59,7 +66,7 @@ impl SimNode {
     }
 
     /// Starts our plugin (or `bin`) on this node; upstream learns the node from `NODENAME`.
-    fn spawn(
+    pub(crate) fn spawn(
         &self,
         bin: &Path,
         ns: &Ns,
@@ -98,11 +105,11 @@ impl SimNode {
         child
     }
 
-    fn run(&self, ns: &Ns, command: &str, ipam: &Value, pods: &[String]) -> Vec<Cni> {
+    pub(crate) fn run(&self, ns: &Ns, command: &str, ipam: &Value, pods: &[String]) -> Vec<Cni> {
         self.run_with(&whereabouts_bin(), ns, command, ipam, pods)
     }
 
-    fn run_with(
+    pub(crate) fn run_with(
         &self,
         bin: &Path,
         ns: &Ns,
@@ -186,7 +193,7 @@ fn inside(addr: &str, slice: &str) -> bool {
     slice.parse::<ipnet::IpNet>().unwrap().contains(&ip)
 }
 
-fn upstream_bin() -> PathBuf {
+pub(crate) fn upstream_bin() -> PathBuf {
     let bin = repo().join("bench/bin/whereabouts-upstream");
     assert!(
         bin.exists(),

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, GetParams, ListParams, PostParams, Preconditions, WatchParams};
+use kube::api::{Api, DeleteParams, GetParams, PostParams, Preconditions, WatchParams};
 use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
@@ -43,7 +43,6 @@ pub struct KubeStore {
     watched_pools: Api<IPPool>,
     reservations: Api<OverlappingRangeIPReservation>,
     leases: Api<Lease>,
-    pods: Api<Pod>,
     slices: Api<NodeSlicePool>,
     /// For the objects of other namespaces: pods and IPAMClaims.
     client: Client,
@@ -97,7 +96,6 @@ impl KubeStore {
             slices: Api::namespaced(client.clone(), namespace),
             recent_slices: Default::default(),
             slice_reads: Default::default(),
-            pods: Api::all(client.clone()),
             client,
         }
     }
@@ -399,26 +397,6 @@ impl Datastore for KubeStore {
                 )),
             },
         }
-    }
-
-    async fn pod_uids(&self) -> Result<HashMap<String, String>> {
-        let list = ListParams::default();
-        let list = retrying(|| self.pods.list_metadata(&list))
-            .await
-            .map_err(|e| error("list", "pods".into(), e))?;
-        Ok(list
-            .items
-            .into_iter()
-            .map(|p| {
-                let m = &p.metadata;
-                let podref = format!(
-                    "{}/{}",
-                    m.namespace.as_deref().unwrap_or_default(),
-                    m.name.as_deref().unwrap_or_default()
-                );
-                (podref, crate::crd::pod::runtime_uid(m))
-            })
-            .collect())
     }
 
     async fn get_node_slice_pool(&self, name: &str) -> Result<Option<NodeSlicePool>> {

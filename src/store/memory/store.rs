@@ -1,6 +1,6 @@
 //! The [`Datastore`] operations of a [`MemoryStore`], and watches of its pools.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -379,11 +379,6 @@ impl Datastore for MemoryStore {
         }
     }
 
-    async fn pod_uids(&self) -> Result<HashMap<String, String>> {
-        self.check("list", "pods")?;
-        Ok(self.state.lock().unwrap().pods.clone())
-    }
-
     async fn get_node_slice_pool(&self, name: &str) -> Result<Option<NodeSlicePool>> {
         self.pause().await;
         self.check("get", name)?;
@@ -411,7 +406,16 @@ impl Datastore for MemoryStore {
         self.pause().await;
         let key = format!("{namespace}/{name}");
         self.check("get", &key)?;
-        Ok(self.state.lock().unwrap().pod_facts.get(&key).cloned())
+        let s = self.state.lock().unwrap();
+        // A pod made live with `set_pod` alone has only its UID.
+        let uid_only = |uid: &String| PodFacts {
+            uid: uid.clone(),
+            ..Default::default()
+        };
+        Ok(s.pod_facts
+            .get(&key)
+            .cloned()
+            .or_else(|| s.pods.get(&key).map(uid_only)))
     }
 
     async fn get_ipam_claim(&self, namespace: &str, name: &str) -> Result<Option<IPAMClaim>> {
