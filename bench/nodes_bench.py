@@ -272,6 +272,10 @@ class Mode:
             return self.node_dir(node) / "kubeconfig"
         return self.kubeconfig
 
+    def token_pod(self, node):
+        """The pod (never run: no kubelet) that node `node`'s token is bound to."""
+        return f"agent-{self.ns}-{node}"
+
     def node_identity(self):
         """--identity node / node-no-leases: our plugins and agents run as the real node account
         whereabouts-system/whereabouts-node, each node with a token bound to a pod on it (as the
@@ -300,9 +304,7 @@ class Mode:
         view = self.kube.json("config", "view", "--raw", "--minify")
         cluster = view["clusters"][0]["cluster"]
         for node in self.nodes:
-            pod = f"bench-agent-{node}"
-            self.kube.run("-n", "whereabouts-system", "delete", "pod", pod, "--wait=false",
-                          check=False)
+            pod = self.token_pod(node)
             self.kube.run("create", "-f", "-", input_text=json.dumps({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod, "namespace": "whereabouts-system"},
@@ -502,6 +504,11 @@ class Mode:
         if not delete_namespace:
             log(f"interrupted: namespace {self.ns} left in place")
             return
+        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+            # No kubelet confirms their end: forced.
+            pods = [self.token_pod(n) for n in self.nodes]
+            self.kube.run("-n", "whereabouts-system", "delete", "pod", *pods, "--force",
+                          "--grace-period=0", check=False)
         r = self.kube.run("delete", "namespace", self.ns, "--wait=true", "--timeout=180s",
                           check=False, timeout=240)
         if r.returncode != 0:
