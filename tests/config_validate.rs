@@ -382,7 +382,7 @@ fn plugin_slots_default_turn_off_and_are_checked() {
     };
     assert_eq!(
         slots(json!({"range": "10.0.0.0/24"})),
-        bound(4, "/run/whereabouts/plugin-slots")
+        bound(8, "/run/whereabouts/plugin-slots")
     );
     assert_eq!(
         slots(json!({"range": "10.0.0.0/24", "plugin_slots": 3, "plugin_slots_dir": "/tmp/s"})),
