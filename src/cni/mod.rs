@@ -7,6 +7,7 @@
 //! | [`protocol`] | the CNI boundary: commands, CNI_ARGS, error codes and the error object |
 //! | [`invocation`] | environment, stdin and flat file read once; validation into a `Request` |
 //! | [`commands`] | ADD, DEL, CHECK, GC, STATUS over the allocation engine, within deadlines |
+//! | [`gc`] | CNI GC: this node's entries that the runtime no longer lists and whose pods are gone |
 //! | [`reply`] | the typed results, in the shape of the config's `cniVersion` |
 //! | [`slices`] | node slices on the node: its slices of a range, taking a free one, its name |
 //! | [`requested`] | requested addresses (`ips`): read, checked, one per range |
@@ -16,6 +17,7 @@
 //! | [`plugin`] | the process: logging, hand-off or local run, stdout |
 
 pub mod commands;
+pub mod gc;
 pub mod handoff;
 pub mod invocation;
 pub mod keep;
