@@ -14,4 +14,5 @@ mod harness;
 mod cluster;
 mod faults;
 mod install;
+mod lifecycle;
 mod workloads;
