@@ -403,11 +403,12 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     };
     assert_eq!(pods_left(), BTreeSet::from(["b1".to_owned()]));
 
-    // Upstream's plugin, with its own identity, writes the same pool, and drops the node of every
-    // entry it rewrites: b's entry is then anyone's, as upstream's own are; b's DEL still works.
+    // Upstream's plugin, with its own identity, writes the same pool (a JSON patch of the entries
+    // it changes: ours keep their node), and b's DEL works after it.
     let upstream = SimNode::new(&ns, "u", false);
     let up = upstream.run_with(&upstream_bin(), &ns, "ADD", &ipam, &["up1".into()]);
     assert!(up[0].ok, "{:?}", up[0]);
+    assert_eq!(ns.allocations(pool)[&b1]["node"], b.name.as_str());
     let del = b.run(&ns, "DEL", &ipam, &["b1".into()]);
     assert!(del[0].ok, "{:?}", del[0]);
     assert_eq!(pods_left(), BTreeSet::from(["up1".to_owned()]));
