@@ -32,8 +32,9 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/run/whereabouts/agent.sock";
 /// Where the plugin processes of a node take their slots (`plugin_slots_dir`, ours).
 pub const DEFAULT_PLUGIN_SLOTS_DIR: &str = "/run/whereabouts/plugin-slots";
 /// How many plugin processes of a node talk to the API server at once (`plugin_slots`, ours).
-/// Measured in docs/benchmarks.md: 8 brings one node's burst of 200 ADDs back to what it took
-/// unbounded, and takes a 10-node storm through the runtime's retries faster than 4.
+/// Measured in docs/benchmarks.md: 8 takes one node's burst of 200 ADDs 1.5x faster than 4 (still
+/// about 2x slower than unbounded) and a 10-node storm through the runtime's retries 15% faster;
+/// 16 overloads the API server in that storm.
 pub const DEFAULT_PLUGIN_SLOTS: u32 = 8;
 /// The most slots a node may have: each waiting plugin holds a file descriptor per slot.
 pub const MAX_PLUGIN_SLOTS: u64 = 256;
