@@ -390,7 +390,7 @@ async fn held_in<S: Datastore>(
         let pool = store
             .get_pool(&target.pool)
             .await
-            .map_err(|e| CniError::new(Code::TryAgainLater, format!("datastore: {e}")))?;
+            .map_err(|e| CniError::datastore(&e))?;
         let entry = pool.as_ref().and_then(|p| {
             p.allocations
                 .iter()

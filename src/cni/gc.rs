@@ -24,8 +24,7 @@ pub(super) async fn gc<S: Datastore>(store: &S, req: &Request) -> Result<usize, 
         );
         return Ok(0);
     };
-    let retry =
-        |e: crate::store::StoreError| CniError::new(Code::TryAgainLater, format!("datastore: {e}"));
+    let retry = |e: crate::store::StoreError| CniError::datastore(&e);
     let mut pods = HashMap::new();
     let mut released = 0;
     let mut targets = Vec::new();

@@ -96,9 +96,8 @@ struct ErrorReply<'a> {
 }
 
 impl CniError {
-    /// A datastore failure: worth retrying (code 11), its kind in `details`.
-    /// A datastore error: try again later (the runtime retries). A 401 says what to look at: the
-    /// node's token is short-lived and bound to the DaemonSet's pod on the node.
+    /// A datastore failure: worth retrying (code 11), its kind in `details`. A 401 says what to
+    /// look at: the node's token is short-lived and bound to the DaemonSet's pod on the node.
     pub fn datastore(e: &crate::store::StoreError) -> Self {
         let hint = match e {
             crate::store::StoreError::Api { code: 401, .. } => {
