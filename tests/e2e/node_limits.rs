@@ -17,29 +17,52 @@ use crate::slices::{SimNode, upstream_bin};
 const SYSTEM: &str = "whereabouts-system";
 const NODE: &str = "whereabouts-node";
 
+/// kubectl as the cluster admin; its stdout, trimmed (a failure fails the test).
+fn admin(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl_raw(admin_kubeconfig(), args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The objects of config/rbac/node-limits.yaml as config/default renders them: the policies,
+/// their bindings, the FlowSchema and its priority level.
+fn is_node_limit(o: &Value) -> bool {
+    let kind = o["kind"].as_str().unwrap_or_default();
+    kind.starts_with("ValidatingAdmissionPolicy")
+        || kind == "FlowSchema"
+        || kind == "PriorityLevelConfiguration"
+}
+
+/// A kubeconfig `file` in the test's directory: the node account's `token`, context namespace
+/// `ns` (the pool namespace).
+fn token_kubeconfig(ns: &Ns, file: &str, token: &str) -> PathBuf {
+    let kubeconfig = ns.dir.path().join(file);
+    let text = json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {
+            "server": cluster_env("APISERVER_URL"),
+            "certificate-authority": cluster_env("CA_CERT")}}],
+        "users": [{"name": "node", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
+        "current-context": "c",
+    });
+    std::fs::write(&kubeconfig, text.to_string()).unwrap();
+    kubeconfig
+}
+
 /// Applies the policy and flow objects as config/default renders them, the real node account, and
 /// the node Role's Lease rule in `ns` (the pool namespace of this test). Returns a kubeconfig
 /// with the account's token.
 fn node_account(ns: &Ns) -> PathBuf {
     let limits: Vec<Value> = kustomize("config/default")
         .into_iter()
-        .filter(|o| {
-            let kind = o["kind"].as_str().unwrap_or_default();
-            kind.starts_with("ValidatingAdmissionPolicy")
-                || kind == "FlowSchema"
-                || kind == "PriorityLevelConfiguration"
-        })
+        .filter(is_node_limit)
         .collect();
     assert_eq!(limits.len(), 6, "{limits:?}");
-    let admin = |args: &[&str], stdin: Option<&str>| {
-        let out = kubectl_raw(admin_kubeconfig(), args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
     let list = json!({"apiVersion": "v1", "kind": "List", "items": limits});
     admin(&["apply", "-f", "-"], Some(&list.to_string()));
     let _ = kubectl_raw(admin_kubeconfig(), &["create", "namespace", SYSTEM], None);
@@ -67,18 +90,7 @@ fn node_account(ns: &Ns) -> PathBuf {
         &["-n", SYSTEM, "create", "token", NODE, "--duration=10m"],
         None,
     );
-    let kubeconfig = ns.dir.path().join("node.kubeconfig");
-    let text = json!({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {
-            "server": cluster_env("APISERVER_URL"),
-            "certificate-authority": cluster_env("CA_CERT")}}],
-        "users": [{"name": "node", "user": {"token": token.trim()}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
-        "current-context": "c",
-    });
-    std::fs::write(&kubeconfig, text.to_string()).unwrap();
-    kubeconfig
+    token_kubeconfig(ns, "node.kubeconfig", &token)
 }
 
 fn lease(name: &str, turn: bool) -> String {
@@ -180,9 +192,7 @@ fn node_rights(ns: &Ns) {
         .filter(|o| {
             let kind = o["kind"].as_str().unwrap_or_default();
             let name = o["metadata"]["name"].as_str().unwrap_or_default();
-            kind.starts_with("ValidatingAdmissionPolicy")
-                || kind == "FlowSchema"
-                || kind == "PriorityLevelConfiguration"
+            is_node_limit(o)
                 || (name == NODE && kind.contains("Role"))
                 || (name == SYSTEM && kind == "Namespace")
                 || (name == NODE && kind == "ServiceAccount")
@@ -196,16 +206,7 @@ fn node_rights(ns: &Ns) {
         .collect();
     assert_eq!(objects.len(), 12, "{objects:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
-    let out = kubectl_raw(
-        admin_kubeconfig(),
-        &["apply", "-f", "-"],
-        Some(&list.to_string()),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    admin(&["apply", "-f", "-"], Some(&list.to_string()));
 }
 
 /// A kubeconfig with a token of the node account bound to a pod on `node`, as the DaemonSet's
@@ -216,15 +217,6 @@ fn node_token(ns: &Ns, node: &str) -> PathBuf {
         "metadata": {"name": format!("agent-{node}"), "namespace": SYSTEM},
         "spec": {"nodeName": node, "serviceAccountName": NODE, "automountServiceAccountToken": false,
                  "containers": [{"name": "agent", "image": "whereabouts:never-pulled"}]}});
-    let admin = |args: &[&str], stdin: Option<&str>| {
-        let out = kubectl_raw(admin_kubeconfig(), args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    };
     admin(&["create", "-f", "-"], Some(&pod.to_string()));
     let name = format!("agent-{node}");
     let uid = admin(
@@ -253,18 +245,7 @@ fn node_token(ns: &Ns, node: &str) -> PathBuf {
         ],
         None,
     );
-    let kubeconfig = ns.dir.path().join(format!("{node}.kubeconfig"));
-    let text = json!({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {
-            "server": cluster_env("APISERVER_URL"),
-            "certificate-authority": cluster_env("CA_CERT")}}],
-        "users": [{"name": "node", "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
-        "current-context": "c",
-    });
-    std::fs::write(&kubeconfig, text.to_string()).unwrap();
-    kubeconfig
+    token_kubeconfig(ns, &format!("{node}.kubeconfig"), &token)
 }
 
 /// One node's credentials (a token bound to it, the shipped RBAC and policies) change only that

@@ -34,13 +34,7 @@ impl SimNode {
         let kubeconfig = ns.kubeconfig.clone();
         let agent =
             with_agent.then(|| Agent::start_with(&kubeconfig, &dir, kubeconfig.to_str().unwrap()));
-        let slots = dir.join("plugin-slots");
-        let mut flat = json!({"kubernetes": {"kubeconfig": kubeconfig}, "plugin_slots_dir": slots});
-        flat["agent_socket"] = match &agent {
-            Some(a) => a.socket.to_str().unwrap().into(),
-            None => "".into(),
-        };
-        std::fs::write(dir.join("whereabouts.conf"), flat.to_string()).unwrap();
+        write_flat_file(&dir, &kubeconfig, agent.as_ref());
         std::fs::write(dir.join("nodename"), format!("{name}\n")).unwrap();
         SimNode {
             name,
@@ -53,8 +47,11 @@ impl SimNode {
     /// The plugin of this node (without an agent) talks to the API server with `kubeconfig`'s
     /// credentials (a token bound to this node, say), as the installer's kubeconfig makes it.
     pub(crate) fn use_credentials(&self, kubeconfig: &Path) {
-        let flat = json!({"kubernetes": {"kubeconfig": kubeconfig}, "plugin_slots_dir": self.dir.join("plugin-slots")});
-        std::fs::write(self.dir.join("whereabouts.conf"), flat.to_string()).unwrap();
+        assert!(
+            self.agent.is_none(),
+            "the agent keeps the credentials it started with"
+        );
+        write_flat_file(&self.dir, kubeconfig, None);
     }
 
     /// The network config as this node's runtime passes it: the NAD's ipam, the node's flat file.
@@ -126,6 +123,17 @@ impl SimNode {
             .map(|c| Cni::from(c.wait_with_output().unwrap()))
             .collect()
     }
+}
+
+/// The node's flat file in `dir`: the plugin's kubeconfig, its slots, and its agent (none: `""`).
+fn write_flat_file(dir: &Path, kubeconfig: &Path, agent: Option<&Agent>) {
+    let slots = dir.join("plugin-slots");
+    let mut flat = json!({"kubernetes": {"kubeconfig": kubeconfig}, "plugin_slots_dir": slots});
+    flat["agent_socket"] = match agent {
+        Some(a) => a.socket.to_str().unwrap().into(),
+        None => "".into(),
+    };
+    std::fs::write(dir.join("whereabouts.conf"), flat.to_string()).unwrap();
 }
 
 impl Drop for SimNode {

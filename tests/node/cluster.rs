@@ -242,6 +242,15 @@ pub fn reservations_of(ns: &str) -> usize {
     .unwrap_or(0)
 }
 
+/// `text` with each line indented by `indent` spaces (to place YAML inside YAML).
+pub fn indented(text: &str, indent: usize) -> String {
+    let pad = " ".repeat(indent);
+    text.lines()
+        .map(|l| format!("{pad}{l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// A test namespace with a busybox workload template; deleted when dropped.
 pub struct Workload {
     pub ns: String,
@@ -290,15 +299,16 @@ containers:
     command: ["/bin/sh", "-c", "{POD_COMMAND}"]"#,
             node().get("BUSYBOX_IMAGE")
         );
-        let pad = " ".repeat(indent);
-        spec.lines()
-            .map(|l| format!("{pad}{l}"))
-            .collect::<Vec<_>>()
-            .join("\n")
+        indented(&spec, indent)
     }
 
     /// A Deployment `name` of `replicas` test pods.
     pub fn deployment(&self, name: &str, replicas: u32) {
+        self.deployment_of(name, replicas, &self.pod_spec(6));
+    }
+
+    /// A Deployment `name` of `replicas` pods of `spec` (indented by 6 spaces).
+    pub fn deployment_of(&self, name: &str, replicas: u32, spec: &str) {
         self.apply(&format!(
             r#"apiVersion: apps/v1
 kind: Deployment
@@ -311,7 +321,7 @@ spec:
     spec:
 {}
 "#,
-            self.pod_spec(6)
+            spec
         ));
     }
 

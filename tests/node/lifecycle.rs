@@ -4,37 +4,30 @@
 //! termination; its address must stay with it until the kubelet has torn its sandbox down, and
 //! its replacement, running meanwhile, must get another (issue 25).
 
-use crate::cluster::{POD_POOL, Workload, entries_of, get_json, kubectl, node, wait_until};
+use crate::cluster::{
+    POD_POOL, Workload, entries_of, get_json, indented, kubectl, node, wait_until,
+};
 
 /// A Deployment of one pod whose termination takes `stop_secs` (a preStop hook that sleeps),
 /// within a grace period of twice that.
 fn slow_to_stop(w: &Workload, stop_secs: u32) {
     let image = node().get("BUSYBOX_IMAGE");
     let command = crate::cluster::POD_COMMAND;
-    w.apply(&format!(
-        r#"apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: slow}}
-spec:
-  replicas: 1
-  selector: {{matchLabels: {{app: slow}}}}
-  template:
-    metadata: {{labels: {{app: slow}}}}
-    spec:
-      terminationGracePeriodSeconds: {grace}
-      automountServiceAccountToken: false
-      enableServiceLinks: false
-      containers:
-        - name: main
-          image: {image}
-          imagePullPolicy: Never
-          command: ["/bin/sh", "-c", "{command}"]
-          lifecycle:
-            preStop:
-              exec: {{command: ["/bin/sh", "-c", "sleep {stop_secs}"]}}
-"#,
+    let spec = format!(
+        r#"terminationGracePeriodSeconds: {grace}
+automountServiceAccountToken: false
+enableServiceLinks: false
+containers:
+  - name: main
+    image: {image}
+    imagePullPolicy: Never
+    command: ["/bin/sh", "-c", "{command}"]
+    lifecycle:
+      preStop:
+        exec: {{command: ["/bin/sh", "-c", "sleep {stop_secs}"]}}"#,
         grace = 2 * stop_secs
-    ));
+    );
+    w.deployment_of("slow", 1, &indented(&spec, 6));
 }
 
 #[test]
