@@ -243,7 +243,7 @@ class Mode:
                       kubeconfig=str(self.kubeconfig))
         for node in self.nodes:
             self.node_dir(node).mkdir()
-        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+        if self.as_node():
             self.node_identity()
         for node in self.nodes:
             d = self.node_dir(node)
@@ -265,10 +265,14 @@ class Mode:
             for node in self.nodes:
                 self.start_agent(node)
 
+    def as_node(self):
+        """Whether our plugins and agents run as the node account (--identity node...)."""
+        return self.spec["impl"] == "ours" and self.args.identity != "admin"
+
     def plugin_kubeconfig(self, node):
         """Whose credentials node `node`'s plugins and agent use: its own (--identity node), else
         the admin's."""
-        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+        if self.as_node():
             return self.node_dir(node) / "kubeconfig"
         return self.kubeconfig
 
@@ -504,7 +508,7 @@ class Mode:
         if not delete_namespace:
             log(f"interrupted: namespace {self.ns} left in place")
             return
-        if self.spec["impl"] == "ours" and self.args.identity != "admin":
+        if self.as_node():
             # No kubelet confirms their end: forced.
             pods = [self.token_pod(n) for n in self.nodes]
             self.kube.run("-n", "whereabouts-system", "delete", "pod", *pods, "--force",
