@@ -3,6 +3,8 @@
 #   etcd, kube-apiserver, kube-controller-manager, kubectl
 # and, for the real node of e2e/node.sh, kubelet, kube-scheduler, kube-proxy and crictl,
 # and, for the chart test e2e/helm-test.sh, helm,
+# and Multus's thin plugin (`multus`, the node's CNI) from the source archive in
+# ../shared/vendor (WHEREABOUTS_E2E_MULTUS_SOURCE overrides; never copied into the repository),
 # from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod
 # and e2e/helm/go.mod.
 #
@@ -37,7 +39,7 @@ module_of() {
     kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
     crictl) echo "$E2E_DIR/cri-tools" ;;
     helm) echo "$E2E_DIR/helm" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm)" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus)" ;;
   esac
 }
 package_of() {
@@ -80,7 +82,37 @@ helm_ldflags() {
   echo "$flags"
 }
 
+# Multus v4.3.0 is not served by the Go proxy: it builds from its archive, vendored dependencies
+# included, with no download. The archive's sha256 is checked against the one its README gives.
+MULTUS_SOURCE="${WHEREABOUTS_E2E_MULTUS_SOURCE:-$E2E_DIR/../../shared/vendor/multus-cni-v4.3.0.tar.gz}"
+MULTUS_SHA256=2660d40d01f02a4fb9a0422eb58e9b3708624ec1372fab19bdce99ec044f1dc7
+build_multus() {
+  local stamp_file="$BIN_DIR/.multus.stamp" want have src start
+  [[ -f "$MULTUS_SOURCE" ]] || die "Multus source $MULTUS_SOURCE missing (see ../shared/vendor/README.md)"
+  [[ "$(sha256sum "$MULTUS_SOURCE" | cut -d' ' -f1)" == "$MULTUS_SHA256" ]] \
+    || die "$MULTUS_SOURCE: sha256 is not $MULTUS_SHA256"
+  want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "$MULTUS_SHA256"; } | sha256sum | cut -d' ' -f1)"
+  have="$(cat "$stamp_file" 2>/dev/null || true)"
+  if [[ -x "$BIN_DIR/multus" && "$have" == "$want" ]]; then
+    log "multus: up to date"
+    return 0
+  fi
+  log "multus: building ./cmd/multus from $MULTUS_SOURCE (about 4 minutes)"
+  start=$(date +%s)
+  src="$(mktemp -d)"
+  tar -xzf "$MULTUS_SOURCE" -C "$src" --strip-components=1
+  if ! (cd "$src" && go build -mod=vendor -trimpath -ldflags="-s -w" -o "$BIN_DIR/multus.tmp" ./cmd/multus); then
+    rm -rf "$src" "$BIN_DIR/multus.tmp"
+    die "go build of multus failed"
+  fi
+  rm -rf "$src"
+  mv -f "$BIN_DIR/multus.tmp" "$BIN_DIR/multus"
+  echo "$want" > "$stamp_file"
+  log "multus: built in $(($(date +%s) - start)) s -> $BIN_DIR/multus"
+}
+
 build_one() {
+  [[ "$1" == multus ]] && { build_multus; return; }
   local name="$1" mod_dir pkg ldflags stamp_file want have start end
   mod_dir="$(module_of "$name")"
   pkg="$(package_of "$name")"
