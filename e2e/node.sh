@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A real Kubernetes node on this machine, joined to the control plane of e2e/cluster.sh:
 # containerd (Debian) + runc, kubelet, kube-proxy (iptables mode) and kube-scheduler, all built
-# or installed by the project; pods' eth0 (and eth1) come from Debian's `bridge` plugin with our
-# `whereabouts` as the IPAM, installed on the host by the whereabouts DaemonSet as on any node.
+# or installed by the project. Multus (thin plugin, built from ../shared/vendor) is the node's only
+# CNI config, as on users' nodes: its cluster network gives pods eth0, and its default network
+# net1, both from Debian's `bridge` plugin with our `whereabouts` as the IPAM, installed on the
+# host by the whereabouts DaemonSet as on any node; NADs attach further interfaces (net2, ...).
 #
 #   e2e/node.sh up      start the cluster if needed (e2e/cluster.sh up), build the images
 #                       (e2e/images.sh), start the node, wait until it is Ready; the LAST line of
@@ -20,8 +22,9 @@
 # e2e/.images).
 #
 # Addresses. Everything stays on this machine: the node's address 10.85.0.1 sits on `wab0`, a
-# bridge with no ports but the pods' veths; pods are 10.85.0.0/22 (eth0) and 10.86.0.0/22 (eth1,
-# bridge `wab1`, no host address); the Service range 10.96.0.0/16 is routed into `wab0`, so a
+# bridge with no ports but the pods' veths; pods are 10.85.0.0/22 (eth0) and 10.86.0.0/22 (net1,
+# bridge `wab1`, no host address); `wab2` and `wab3`, bridges with no ports at all, are the
+# masters of the tests' macvlan and ipvlan NADs; the Service range 10.96.0.0/16 is routed into `wab0`, so a
 # packet to a Service is either DNATed by kube-proxy or stays on the bridge; a guard chain drops
 # anything the pods would send out of another interface. The API server listens on loopback only;
 # socat forwards 10.85.0.1:6443 to it and is the `kubernetes` Service's endpoint, so pods and
@@ -44,6 +47,9 @@ POD_BRIDGE=wab0
 POD_CIDR=10.85.0.0/22
 NET2_BRIDGE=wab1
 NET2_CIDR=10.86.0.0/22
+# Masters for NADs' macvlan and ipvlan (one each: a link cannot hold both kinds of children).
+MACVLAN_MASTER=wab2
+IPVLAN_MASTER=wab3
 SERVICE_CIDR=10.96.0.0/16
 API_FORWARD_PORT=6443
 GUARD_CHAIN=WAB-NODE-GUARD
@@ -126,13 +132,16 @@ setup_host() {
   ensure_dir /var/log/containers
   # The runtime looks for every plugin in one folder; Debian's reference plugins live elsewhere.
   local p
-  for p in bridge loopback host-local portmap; do
+  for p in bridge loopback host-local portmap macvlan ipvlan; do
     [[ -x "$DEBIAN_CNI_DIR/$p" ]] || die "$DEBIAN_CNI_DIR/$p missing (apt-get install containernetworking-plugins)"
     if [[ ! -e "$CNI_BIN_DIR/$p" ]]; then
       ln -s "$DEBIAN_CNI_DIR/$p" "$CNI_BIN_DIR/$p"
       record "$CNI_BIN_DIR/$p"
     fi
   done
+  # Multus, the node's CNI, as its own DaemonSet would install it.
+  install -m 0755 "$BIN_DIR/multus" "$CNI_BIN_DIR/multus"
+  record "$CNI_BIN_DIR/multus"
   # What the DaemonSet installs: removed on `down` whoever wrote it last.
   record "$CNI_BIN_DIR/whereabouts"
   record "$CNI_HOST_CONF_DIR/whereabouts.d"
@@ -143,6 +152,11 @@ setup_host() {
   ip link set "$POD_BRIDGE" up
   ip link show "$NET2_BRIDGE" >/dev/null 2>&1 || ip link add "$NET2_BRIDGE" type bridge
   ip link set "$NET2_BRIDGE" up
+  local master
+  for master in "$MACVLAN_MASTER" "$IPVLAN_MASTER"; do
+    ip link show "$master" >/dev/null 2>&1 || ip link add "$master" type bridge
+    ip link set "$master" up
+  done
   ip route replace "$SERVICE_CIDR" dev "$POD_BRIDGE" src "$NODE_IP"
   # Nothing from a pod leaves by another interface (the bridge plugin turns on ip_forward).
   iptables -w -N "$GUARD_CHAIN" 2>/dev/null || iptables -w -F "$GUARD_CHAIN"
@@ -155,12 +169,15 @@ setup_host() {
   sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
 }
 
-# The pod networks: eth0 from bridge wab0, eth1 from bridge wab1, both with our IPAM. containerd
-# loads up to max_conf_num configs, in file name order, as eth0, eth1, ... On eth1 a StatefulSet
-# pod keeps its address (sticky_statefulset): the plugin reads the pod with the node's identity.
+# The pod networks: Multus is the only config containerd sees; its cluster network (eth0, bridge
+# wab0) and default network (net1, bridge wab1) are conflists in a folder of their own, named by
+# network name with `confDir` (with a .conflist path, Multus v4.3.0 re-marshals the config on DEL
+# and drops the IPAM's keys). Both use our IPAM; on net1 a StatefulSet pod keeps its address
+# (sticky_statefulset): the plugin reads the pod with the node's identity.
 write_cni_configs() {
-  mkdir -p "$NODE_DIR/net.d"
-  cat > "$NODE_DIR/net.d/10-wab-pods.conflist" <<EOF
+  local nets="$NODE_DIR/cni-networks" defaults='[]'
+  mkdir -p "$NODE_DIR/net.d" "$nets"
+  cat > "$nets/10-wab-pods.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "wab-pods", "plugins": [
   {"type": "bridge", "bridge": "$POD_BRIDGE", "isGateway": true, "isDefaultGateway": true,
    "ipMasq": false, "hairpinMode": true,
@@ -169,7 +186,8 @@ write_cni_configs() {
 ]}
 EOF
   if [[ "$NETWORKS" == 2 ]]; then
-    cat > "$NODE_DIR/net.d/20-wab-net2.conflist" <<EOF
+    defaults='["wab-net2"]'
+    cat > "$nets/20-wab-net2.conflist" <<EOF
 {"cniVersion": "1.0.0", "name": "wab-net2", "plugins": [
   {"type": "bridge", "bridge": "$NET2_BRIDGE", "isGateway": false, "ipMasq": false,
    "ipam": {"type": "whereabouts", "range": "$NET2_CIDR", "range_start": "10.86.0.10",
@@ -177,8 +195,43 @@ EOF
 ]}
 EOF
   else
-    rm -f "$NODE_DIR/net.d/20-wab-net2.conflist"
+    rm -f "$nets/20-wab-net2.conflist"
   fi
+  # systemNamespaces empty: pods of kube-system get the default network too, as every other pod.
+  cat > "$NODE_DIR/net.d/00-multus.conf" <<EOF
+{"cniVersion": "1.0.0", "name": "multus-cni-network", "type": "multus",
+ "kubeconfig": "$NODE_DIR/multus.kubeconfig", "confDir": "$nets",
+ "cniDir": "$NODE_DIR/multus-cache", "binDir": "$CNI_BIN_DIR",
+ "clusterNetwork": "wab-pods", "defaultNetworks": $defaults, "systemNamespaces": [],
+ "logFile": "$NODE_DIR/multus.log", "logLevel": "verbose"}
+EOF
+}
+
+# Multus reads pods and NADs and writes pods' network-status: the rights its own manifests give
+# its ServiceAccount, here bound to the node's `system:multus` certificate.
+grant_multus() {
+  kubectl_admin apply -f - >/dev/null <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: e2e-node-multus}
+rules:
+  - apiGroups: ["k8s.cni.cncf.io"]
+    resources: ["*"]
+    verbs: ["get", "list", "watch"]
+  - apiGroups: [""]
+    resources: ["pods", "pods/status"]
+    verbs: ["get", "list", "update", "watch"]
+  - apiGroups: ["", "events.k8s.io"]
+    resources: ["events"]
+    verbs: ["create", "patch", "update"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: e2e-node-multus}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: e2e-node-multus}
+subjects:
+  - {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:multus"}
+EOF
 }
 
 write_containerd_config() {
@@ -210,7 +263,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$CNI_BIN_DIR"
     conf_dir = "$NODE_DIR/net.d"
-    max_conf_num = 2
+    # Multus alone: with more, every config in the folder is attached to every pod.
+    max_conf_num = 1
 EOF
 }
 
@@ -351,10 +405,10 @@ cmd_up() {
     command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
   done
   if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" != 1 ]]; then
-    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl || die "build failed (e2e/build.sh)"
+    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl multus || die "build failed (e2e/build.sh)"
     "$E2E_DIR/images.sh" "$IMAGES_DIR" || die "image build failed (e2e/images.sh)"
   fi
-  for tool in kubelet kube-scheduler kube-proxy crictl; do
+  for tool in kubelet kube-scheduler kube-proxy crictl multus; do
     [[ -x "$BIN_DIR/$tool" ]] || die "$BIN_DIR/$tool missing (e2e/build.sh $tool)"
   done
   mkdir -p "$NODE_DIR"
@@ -375,12 +429,14 @@ EOF
   client_identity kubelet "/O=system:nodes/CN=system:node:$NODE_NAME"
   client_identity kube-proxy "/CN=system:kube-proxy"
   client_identity kube-scheduler "/CN=system:kube-scheduler"
+  client_identity multus "/CN=system:multus"
+  grant_multus
   node_cert kubelet-serving "/CN=$NODE_NAME" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:$NODE_IP,DNS:$NODE_NAME"
 
-  log "host: bridges $POD_BRIDGE ($NODE_IP) and $NET2_BRIDGE, route for $SERVICE_CIDR, guard chain"
+  log "host: bridges $POD_BRIDGE ($NODE_IP), $NET2_BRIDGE, $MACVLAN_MASTER and $IPVLAN_MASTER, route for $SERVICE_CIDR, guard chain"
   setup_host
   write_cni_configs
   write_containerd_config
@@ -488,6 +544,8 @@ cleanup_host() {
   done
   ip link del "$POD_BRIDGE" 2>/dev/null || true
   ip link del "$NET2_BRIDGE" 2>/dev/null || true
+  ip link del "$MACVLAN_MASTER" 2>/dev/null || true
+  ip link del "$IPVLAN_MASTER" 2>/dev/null || true
   ip route del "$SERVICE_CIDR" 2>/dev/null || true
   local t
   for t in iptables ip6tables; do
@@ -512,6 +570,7 @@ cmd_down() {
   if [[ -f "$STATE_DIR/kubeconfig" ]]; then
     kubectl_admin delete node "$NODE_NAME" --wait=false >/dev/null 2>&1 || true
     kubectl_admin -n default delete endpointslice kubernetes-e2e-node --wait=false >/dev/null 2>&1 || true
+    kubectl_admin delete clusterrolebinding,clusterrole e2e-node-multus --wait=false >/dev/null 2>&1 || true
   fi
   stop_all
   cleanup_host
@@ -552,7 +611,9 @@ NODE_DIR=$NODE_DIR
 NODE_NAME=$NODE_NAME
 NODE_IP=$NODE_IP
 CNI_CONF_DIR=$NODE_DIR/net.d
-NETWORKS=$([[ -f "$NODE_DIR/net.d/20-wab-net2.conflist" ]] && echo 2 || echo 1)
+NETWORKS=$([[ -f "$NODE_DIR/cni-networks/20-wab-net2.conflist" ]] && echo 2 || echo 1)
+MACVLAN_MASTER=$MACVLAN_MASTER
+IPVLAN_MASTER=$IPVLAN_MASTER
 CONTAINERD_SOCKET=$SOCK
 WHEREABOUTS_IMAGE=$WHEREABOUTS_IMAGE
 PAUSE_IMAGE=$PAUSE_IMAGE

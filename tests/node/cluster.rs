@@ -11,7 +11,7 @@ use serde_json::Value;
 use crate::harness::{kubectl_raw, repo};
 
 pub const POOL_NAMESPACE: &str = "kube-system";
-/// The pools of the node's two pod networks (e2e/node.sh): eth0 and eth1.
+/// The pools of the node's two pod networks (e2e/node.sh): eth0 and net1.
 pub const POD_POOL: &str = "10.85.0.0-22";
 pub const NET2_POOL: &str = "10.86.0.0-22";
 pub const SYSTEM_NS: &str = "whereabouts-system";
@@ -256,7 +256,7 @@ pub struct Workload {
     pub ns: String,
 }
 
-/// What each test pod runs: prints its interfaces (the log shows the address on eth0 and eth1),
+/// What each test pod runs: prints its interfaces (the log shows the address on eth0 and net1),
 /// then idles until told to stop.
 pub const POD_COMMAND: &str =
     "ip -o -4 addr show; trap 'exit 0' TERM; while true; do sleep 1; done";
@@ -433,7 +433,7 @@ pub fn summary(pods: &[Value]) -> String {
         .join(" ")
 }
 
-/// Each pod's addresses on eth0 and eth1 as its own log shows them (`ip -o -4 addr show`).
+/// Each pod's addresses on eth0 and net1 as its own log shows them (`ip -o -4 addr show`).
 pub fn logged_addresses(log: &str) -> BTreeMap<String, String> {
     log.lines()
         .filter_map(|l| {
@@ -465,10 +465,10 @@ pub fn distinct_pod_ips(pods: &[Value]) -> BTreeSet<String> {
     set
 }
 
-/// Every pod's eth0 address is its podIP and its pool entry; eth1 likewise in the second pool.
+/// Every pod's eth0 address is its podIP and its pool entry; net1 likewise in the second pool.
 pub fn check_pods_against_pools(w: &Workload, pods: &[serde_json::Value]) {
     let ips = distinct_pod_ips(pods);
-    let mut eth1 = BTreeSet::new();
+    let mut net1 = BTreeSet::new();
     for p in pods {
         let name = p["metadata"]["name"].as_str().unwrap();
         let logged = logged_addresses(&w.logs(name));
@@ -478,12 +478,12 @@ pub fn check_pods_against_pools(w: &Workload, pods: &[serde_json::Value]) {
             "{name} sees {logged:?}"
         );
         let second = logged
-            .get("eth1")
-            .unwrap_or_else(|| panic!("{name}: no eth1: {logged:?}"));
-        assert!(eth1.insert(second.clone()), "eth1 {second} held twice");
+            .get("net1")
+            .unwrap_or_else(|| panic!("{name}: no net1: {logged:?}"));
+        assert!(net1.insert(second.clone()), "net1 {second} held twice");
     }
     // The pools hold exactly these pods, one entry each, and nothing else of this namespace.
-    for (pool, want) in [(POD_POOL, &ips), (NET2_POOL, &eth1)] {
+    for (pool, want) in [(POD_POOL, &ips), (NET2_POOL, &net1)] {
         let entries = entries_of(pool, &w.ns);
         assert_eq!(entries.len(), pods.len(), "{pool}: {entries:?}");
         let pods_in_pool: BTreeSet<&str> = entries.iter().map(|e| e.0.as_str()).collect();

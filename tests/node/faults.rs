@@ -20,7 +20,7 @@ fn converged(w: &Workload, pods: usize) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "eth0 entries, eth1 entries, reservations: {state:?}, want {pods} each"
+            "eth0 entries, net1 entries, reservations: {state:?}, want {pods} each"
         ))
     }
 }

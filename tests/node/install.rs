@@ -196,7 +196,7 @@ fn the_agent_serves_the_kubelets_pods() {
     let before = agent_served();
     w.deployment("web", 3);
     let pods = w.wait_running("app=web", 3, 180);
-    // Each pod: eth0 from the pod pool, eth1 from the second, as its log shows; the pools and
+    // Each pod: eth0 from the pod pool, net1 from the second, as its log shows; the pools and
     // reservations hold exactly these three.
     check_pods_against_pools(&w, &pods);
     // Three pods, two networks: six ADDs, all through the agent.

@@ -1,5 +1,5 @@
 //! Real pods through the real runtime: a Deployment of 60 and back to 0, and the StatefulSet
-//! replacement that upstream's cleanup got wrong, whose eth1 address (`sticky_statefulset`)
+//! replacement that upstream's cleanup got wrong, whose net1 address (`sticky_statefulset`)
 //! stays with its ordinal until the StatefulSet scales below it.
 
 use std::collections::BTreeSet;
@@ -29,7 +29,7 @@ fn a_deployment_of_60_gets_60_distinct_addresses_and_gives_them_back() {
         if left == (0, 0, 0) {
             Ok(())
         } else {
-            Err(format!("entries eth0/eth1, reservations: {left:?}"))
+            Err(format!("entries eth0/net1, reservations: {left:?}"))
         }
     });
 }
@@ -72,12 +72,12 @@ spec:
             .find(|e| e.0 == format!("{}/{pod}", w.ns))
             .map(|e| e.1)
     };
-    let old_eth1 = sticky_of("web-1").expect("web-1 has an eth1 entry");
+    let old_net1 = sticky_of("web-1").expect("web-1 has a net1 entry");
     let held = crate::cluster::pool_entries(NET2_POOL);
     assert_eq!(
-        held[&old_eth1]["statefulset"], "web",
+        held[&old_net1]["statefulset"], "web",
         "{:?}",
-        held[&old_eth1]
+        held[&old_net1]
     );
 
     crate::cluster::kubectl_ok(&["-n", &w.ns, "delete", "pod", "web-1", "--wait=false"]);
@@ -104,14 +104,14 @@ spec:
         now.is_disjoint(&old_containers),
         "the old sandbox {old_containers:?} still holds an entry: {now:?}"
     );
-    // On eth1 the replacement has its predecessor's address: the ordinal kept it.
-    assert_eq!(sticky_of("web-1").as_deref(), Some(old_eth1.as_str()));
-    // Scaled to two, web-2's eth1 address is freed by the operator once the pod is gone.
-    let web2 = sticky_of("web-2").expect("web-2 has an eth1 entry");
+    // On net1 the replacement has its predecessor's address: the ordinal kept it.
+    assert_eq!(sticky_of("web-1").as_deref(), Some(old_net1.as_str()));
+    // Scaled to two, web-2's net1 address is freed by the operator once the pod is gone.
+    let web2 = sticky_of("web-2").expect("web-2 has a net1 entry");
     w.scale("statefulset/web", 2);
     wait_until(
         120,
-        "web-2's sticky eth1 address freed",
+        "web-2's sticky net1 address freed",
         || match crate::cluster::pool_entries(NET2_POOL).get(&web2) {
             Some(e) if e["podref"] == format!("{}/web-2", w.ns) => Err(format!("held: {e}")),
             _ => Ok(()),
@@ -124,5 +124,5 @@ spec:
         "{:?}",
         w.events("HeldAddressReleased")
     );
-    assert_eq!(sticky_of("web-1").as_deref(), Some(old_eth1.as_str()));
+    assert_eq!(sticky_of("web-1").as_deref(), Some(old_net1.as_str()));
 }
