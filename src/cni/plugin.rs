@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::commands::{ADD_DEADLINE, ROLLBACK_BUDGET, handle_within};
 use super::handoff::{AgentReply, AgentRequest, client};
 use super::invocation::{FlatSource, Invocation, Logging, Request, invalid_config};
-use super::protocol::{CniError, Code, Command};
+use super::protocol::{CniError, Code, Command, UNAUTHENTICATED};
 use super::reply::version_reply;
 use super::slots;
 use crate::alloc::Direct;
@@ -42,6 +42,15 @@ pub fn run() -> ExitCode {
             if let Some(out) = output {
                 println!("{out}");
             }
+            ExitCode::SUCCESS
+        }
+        // A DEL whose credentials are rejected cannot free anything, and never will: the token
+        // died with the DaemonSet's pod (an uninstall left the files because pods still held
+        // addresses). Failing would leave the pod Terminating for good; the address stays
+        // recorded, so nothing is handed out twice, and the operator frees it once the pod is
+        // gone. A renewed token (the installer rewrites it every 30 s) makes this rare otherwise.
+        Err(e) if command == Command::Del && e.details == UNAUTHENTICATED => {
+            tracing::warn!(error = %e.msg, "DEL: credentials rejected; the entry stays for the operator");
             ExitCode::SUCCESS
         }
         Err(e) => fail(&e, inv.error_version()),

@@ -95,6 +95,9 @@ struct ErrorReply<'a> {
     msg: &'a str,
 }
 
+/// `details` of a datastore error whose credentials the API server rejected (401).
+pub const UNAUTHENTICATED: &str = "unauthenticated";
+
 impl CniError {
     /// A datastore failure: worth retrying (code 11), its kind in `details`. A 401 says what to
     /// look at: the node's token is short-lived and bound to the DaemonSet's pod on the node.
@@ -107,7 +110,11 @@ impl CniError {
             }
             _ => "",
         };
-        CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}")).with_details(e.kind())
+        let details = match e {
+            crate::store::StoreError::Api { code: 401, .. } => UNAUTHENTICATED,
+            _ => e.kind(),
+        };
+        CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}")).with_details(details)
     }
 
     pub fn new(code: Code, msg: impl Into<String>) -> Self {
