@@ -6,7 +6,8 @@ use std::path::Path;
 
 use base64::Engine as _;
 use whereabouts::cli::install_cni::{
-    CA_DATA, InstallCniArgs, Report, TEMP_PREFIX, install_once, remove_stale_temps, write_atomic,
+    CA_DATA, InstallCniArgs, Report, TEMP_PREFIX, install_once, remove_host_files,
+    remove_stale_temps, write_atomic,
 };
 
 const CA: &str = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n";
@@ -334,4 +335,40 @@ fn the_installer_keeps_an_admins_flat_file_keys() {
             "left as it was"
         );
     }
+}
+
+/// An uninstall removes what the installer wrote and nothing else: an admin's flat-file keys
+/// stay (the file with them), a plugin binary that is not ours (upstream's, copied over it)
+/// stays; a second run finds nothing to do.
+#[test]
+fn an_uninstall_removes_the_installers_files_and_only_those() {
+    let f = fixture();
+    let t = f.args.targets();
+    install_once(&f.args).unwrap();
+    std::fs::write(t.nodename.clone(), "n1\n").unwrap();
+    let removed = remove_host_files(&f.args).unwrap();
+    for path in [&t.binary, &t.kubeconfig, &t.nodename, &t.flat_file] {
+        assert!(!path.exists(), "{} left: {removed:?}", path.display());
+    }
+    assert!(
+        !t.flat_file.parent().unwrap().exists(),
+        "whereabouts.d removed when empty"
+    );
+    assert!(remove_host_files(&f.args).unwrap().is_empty());
+
+    install_once(&f.args).unwrap();
+    let admin = serde_json::json!({"log_level": "verbose",
+        "kubernetes": {"kubeconfig": "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig"}});
+    std::fs::write(&t.flat_file, admin.to_string()).unwrap();
+    std::fs::write(&t.binary, b"\x7fELF upstream's plugin").unwrap();
+    remove_host_files(&f.args).unwrap();
+    let flat: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&t.flat_file).unwrap()).unwrap();
+    assert_eq!(flat, serde_json::json!({"log_level": "verbose"}));
+    assert_eq!(
+        std::fs::read(&t.binary).unwrap(),
+        b"\x7fELF upstream's plugin",
+        "a binary that is not ours stays"
+    );
+    assert!(!t.kubeconfig.exists());
 }

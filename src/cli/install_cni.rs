@@ -26,7 +26,9 @@ use kube::config::{
 use super::run::parse_duration;
 
 mod flat;
+mod uninstall;
 pub use flat::flat_file;
+pub use uninstall::remove_host_files;
 
 const SA_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 /// Prefix of every temporary file this installer creates (see [`write_atomic`]).
@@ -111,6 +113,12 @@ pub struct InstallCniArgs {
     /// `spec.nodeName`.
     #[arg(long, env = "NODENAME", value_name = "NAME", value_parser = parse_node_name)]
     pub node_name: Option<String>,
+    /// This pod's name and namespace (the DaemonSet passes them from the downward API): when
+    /// stopped, the installer removes its host files if its DaemonSet is being deleted.
+    #[arg(long, env = "POD_NAME", value_name = "NAME")]
+    pub pod_name: Option<String>,
+    #[arg(long, env = "POD_NAMESPACE", value_name = "NAMESPACE")]
+    pub pod_namespace: Option<String>,
 }
 
 /// A node name, checked to be usable in the object names of node slices' pools.
@@ -140,6 +148,8 @@ impl InstallCniArgs {
             interval: Duration::from_secs(30),
             once: false,
             node_name: None,
+            pod_name: None,
+            pod_namespace: None,
         }
     }
 
@@ -213,6 +223,7 @@ pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
         tokio::select! {
             _ = term.recv() => {
                 tracing::info!("shutting down");
+                uninstall::on_stop(&args).await;
                 return Ok(());
             }
             _ = int.recv() => {
@@ -232,12 +243,7 @@ pub async fn run(args: InstallCniArgs) -> anyhow::Result<()> {
 /// One pass: reads the sources, writes each target whose bytes differ.
 pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
     let targets = args.targets();
-    let source = match &args.source_binary {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()
-            .context("cannot find this executable to locate the plugin; set --source-binary")?
-            .with_file_name("whereabouts"),
-    };
+    let source = source_binary(args)?;
     let binary = std::fs::read(&source)
         .with_context(|| format!("--source-binary {}: cannot read", source.display()))?;
     let kubeconfig = kubeconfig(args)?;
@@ -269,6 +275,16 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
             None => false,
         },
     })
+}
+
+/// The plugin to install: --source-binary, else `whereabouts` next to this executable.
+fn source_binary(args: &InstallCniArgs) -> anyhow::Result<PathBuf> {
+    match &args.source_binary {
+        Some(p) => Ok(p.clone()),
+        None => Ok(std::env::current_exe()
+            .context("cannot find this executable to locate the plugin; set --source-binary")?
+            .with_file_name("whereabouts")),
+    }
 }
 
 /// The file at `path`, `None` when there is none yet.

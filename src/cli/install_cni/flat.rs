@@ -38,6 +38,29 @@ pub fn flat_file(args: &InstallCniArgs, current: Option<&[u8]>) -> anyhow::Resul
     Ok(format!("{}\n", serde_json::Value::Object(flat)))
 }
 
+/// The flat file `current` without the installer's keys (an uninstall): `None` when nothing
+/// else is left, so the file can go. A file that is not a JSON object is kept as it is.
+pub fn without_installer_keys(args: &InstallCniArgs, current: &[u8]) -> Option<String> {
+    let Ok(serde_json::Value::Object(mut flat)) = serde_json::from_slice(current) else {
+        return Some(String::from_utf8_lossy(current).into_owned());
+    };
+    let ours = args.host_kubeconfig_path();
+    if let Some(serde_json::Value::Object(k)) = flat.get_mut("kubernetes") {
+        if k.get("kubeconfig").and_then(|v| v.as_str()) == ours.to_str() {
+            k.remove("kubeconfig");
+        }
+        if k.is_empty() {
+            flat.remove("kubernetes");
+        }
+    }
+    if args.log_level.is_some()
+        && flat.get("log_level").and_then(|v| v.as_str()) == args.log_level.as_deref()
+    {
+        flat.remove("log_level");
+    }
+    (!flat.is_empty()).then(|| format!("{}\n", serde_json::Value::Object(flat)))
+}
+
 fn kind_of(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
