@@ -23,8 +23,9 @@
 #
 # Addresses. Everything stays on this machine: the node's address 10.85.0.1 sits on `wab0`, a
 # bridge with no ports but the pods' veths; pods are 10.85.0.0/22 (eth0) and 10.86.0.0/22 (net1,
-# bridge `wab1`, no host address); `wab2` and `wab3`, bridges with no ports at all, are the
-# masters of the tests' macvlan and ipvlan NADs; the Service range 10.96.0.0/16 is routed into `wab0`, so a
+# bridge `wab1`, no host address); `wab2`, a bridge with no ports at all, is the master of the
+# tests' macvlan NADs, and `wab3`, another, the bridge of their bridge NADs (this machine's
+# kernel has no ipvlan); the Service range 10.96.0.0/16 is routed into `wab0`, so a
 # packet to a Service is either DNATed by kube-proxy or stays on the bridge; a guard chain drops
 # anything the pods would send out of another interface. The API server listens on loopback only;
 # socat forwards 10.85.0.1:6443 to it and is the `kubernetes` Service's endpoint, so pods and
@@ -47,9 +48,9 @@ POD_BRIDGE=wab0
 POD_CIDR=10.85.0.0/22
 NET2_BRIDGE=wab1
 NET2_CIDR=10.86.0.0/22
-# Masters for NADs' macvlan and ipvlan (one each: a link cannot hold both kinds of children).
+# The tests' NADs: macvlan children of one portless bridge, bridge NADs on another.
 MACVLAN_MASTER=wab2
-IPVLAN_MASTER=wab3
+NAD_BRIDGE=wab3
 SERVICE_CIDR=10.96.0.0/16
 API_FORWARD_PORT=6443
 GUARD_CHAIN=WAB-NODE-GUARD
@@ -153,7 +154,7 @@ setup_host() {
   ip link show "$NET2_BRIDGE" >/dev/null 2>&1 || ip link add "$NET2_BRIDGE" type bridge
   ip link set "$NET2_BRIDGE" up
   local master
-  for master in "$MACVLAN_MASTER" "$IPVLAN_MASTER"; do
+  for master in "$MACVLAN_MASTER" "$NAD_BRIDGE"; do
     ip link show "$master" >/dev/null 2>&1 || ip link add "$master" type bridge
     ip link set "$master" up
   done
@@ -169,10 +170,11 @@ setup_host() {
   sysctl -qw net.bridge.bridge-nf-call-iptables=1 2>/dev/null || true
 }
 
-# The pod networks: Multus is the only config containerd sees; its cluster network (eth0, bridge
-# wab0) and default network (net1, bridge wab1) are conflists in a folder of their own, named by
-# network name with `confDir` (with a .conflist path, Multus v4.3.0 re-marshals the config on DEL
-# and drops the IPAM's keys). Both use our IPAM; on net1 a StatefulSet pod keeps its address
+# The pod networks: Multus is the only config containerd sees. Its cluster network (eth0, bridge
+# wab0) is a conflist in a folder of its own, named by network name with `confDir` (with a
+# .conflist path, Multus v4.3.0 re-marshals the config on DEL and drops the IPAM's keys); its
+# default network (net1, bridge wab1) is a NAD in kube-system, Multus's namespace, as users define
+# default networks. Both use our IPAM; on net1 a StatefulSet pod keeps its address
 # (sticky_statefulset): the plugin reads the pod with the node's identity.
 write_cni_configs() {
   local nets="$NODE_DIR/cni-networks" defaults='[]'
@@ -185,18 +187,7 @@ write_cni_configs() {
   {"type": "portmap", "capabilities": {"portMappings": true}}
 ]}
 EOF
-  if [[ "$NETWORKS" == 2 ]]; then
-    defaults='["wab-net2"]'
-    cat > "$nets/20-wab-net2.conflist" <<EOF
-{"cniVersion": "1.0.0", "name": "wab-net2", "plugins": [
-  {"type": "bridge", "bridge": "$NET2_BRIDGE", "isGateway": false, "ipMasq": false,
-   "ipam": {"type": "whereabouts", "range": "$NET2_CIDR", "range_start": "10.86.0.10",
-            "sticky_statefulset": true}}
-]}
-EOF
-  else
-    rm -f "$nets/20-wab-net2.conflist"
-  fi
+  [[ "$NETWORKS" == 2 ]] && defaults='["wab-net2"]'
   # systemNamespaces empty: pods of kube-system get the default network too, as every other pod.
   cat > "$NODE_DIR/net.d/00-multus.conf" <<EOF
 {"cniVersion": "1.0.0", "name": "multus-cni-network", "type": "multus",
@@ -204,6 +195,26 @@ EOF
  "cniDir": "$NODE_DIR/multus-cache", "binDir": "$CNI_BIN_DIR",
  "clusterNetwork": "wab-pods", "defaultNetworks": $defaults, "systemNamespaces": [],
  "logFile": "$NODE_DIR/multus.log", "logLevel": "verbose"}
+EOF
+}
+
+# The default network's NAD (and the NAD CRD, which Multus's own install would bring).
+apply_default_network() {
+  kubectl_admin apply -f "$E2E_DIR/../crds/network-attachment-definitions.yaml" >/dev/null
+  kubectl_admin wait --for condition=established --timeout=60s \
+    crd/network-attachment-definitions.k8s.cni.cncf.io >/dev/null
+  [[ "$NETWORKS" == 2 ]] || { kubectl_admin -n kube-system delete net-attach-def wab-net2 --ignore-not-found >/dev/null; return 0; }
+  # Kept from an earlier `up` of this cluster: a NAD write now could meet the webhook of an
+  # install whose operator is not running yet.
+  kubectl_admin -n kube-system get net-attach-def wab-net2 >/dev/null 2>&1 && return 0
+  local config
+  config='{"cniVersion": "1.0.0", "name": "wab-net2", "type": "bridge", "bridge": "'"$NET2_BRIDGE"'", "isGateway": false, "ipMasq": false, "ipam": {"type": "whereabouts", "range": "'"$NET2_CIDR"'", "range_start": "10.86.0.10", "sticky_statefulset": true}}'
+  kubectl_admin apply -f - >/dev/null <<EOF
+apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {name: wab-net2, namespace: kube-system}
+spec:
+  config: '$config'
 EOF
 }
 
@@ -431,12 +442,13 @@ EOF
   client_identity kube-scheduler "/CN=system:kube-scheduler"
   client_identity multus "/CN=system:multus"
   grant_multus
+  apply_default_network
   node_cert kubelet-serving "/CN=$NODE_NAME" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:$NODE_IP,DNS:$NODE_NAME"
 
-  log "host: bridges $POD_BRIDGE ($NODE_IP), $NET2_BRIDGE, $MACVLAN_MASTER and $IPVLAN_MASTER, route for $SERVICE_CIDR, guard chain"
+  log "host: bridges $POD_BRIDGE ($NODE_IP), $NET2_BRIDGE, $MACVLAN_MASTER and $NAD_BRIDGE, route for $SERVICE_CIDR, guard chain"
   setup_host
   write_cni_configs
   write_containerd_config
@@ -545,7 +557,7 @@ cleanup_host() {
   ip link del "$POD_BRIDGE" 2>/dev/null || true
   ip link del "$NET2_BRIDGE" 2>/dev/null || true
   ip link del "$MACVLAN_MASTER" 2>/dev/null || true
-  ip link del "$IPVLAN_MASTER" 2>/dev/null || true
+  ip link del "$NAD_BRIDGE" 2>/dev/null || true
   ip route del "$SERVICE_CIDR" 2>/dev/null || true
   local t
   for t in iptables ip6tables; do
@@ -571,6 +583,7 @@ cmd_down() {
     kubectl_admin delete node "$NODE_NAME" --wait=false >/dev/null 2>&1 || true
     kubectl_admin -n default delete endpointslice kubernetes-e2e-node --wait=false >/dev/null 2>&1 || true
     kubectl_admin delete clusterrolebinding,clusterrole e2e-node-multus --wait=false >/dev/null 2>&1 || true
+    kubectl_admin -n kube-system delete net-attach-def wab-net2 --wait=false >/dev/null 2>&1 || true
   fi
   stop_all
   cleanup_host
@@ -611,9 +624,9 @@ NODE_DIR=$NODE_DIR
 NODE_NAME=$NODE_NAME
 NODE_IP=$NODE_IP
 CNI_CONF_DIR=$NODE_DIR/net.d
-NETWORKS=$([[ -f "$NODE_DIR/cni-networks/20-wab-net2.conflist" ]] && echo 2 || echo 1)
+NETWORKS=$(grep -q wab-net2 "$NODE_DIR/net.d/00-multus.conf" && echo 2 || echo 1)
 MACVLAN_MASTER=$MACVLAN_MASTER
-IPVLAN_MASTER=$IPVLAN_MASTER
+NAD_BRIDGE=$NAD_BRIDGE
 CONTAINERD_SOCKET=$SOCK
 WHEREABOUTS_IMAGE=$WHEREABOUTS_IMAGE
 PAUSE_IMAGE=$PAUSE_IMAGE

@@ -1,6 +1,6 @@
 //! The node tier: the product as users run it, on a real node of this machine (e2e/node.sh:
 //! kubelet, containerd and runc, kube-proxy, kube-scheduler), installed from the image built here
-//! with `kubectl apply -k` as the README says. Pods' eth0 and eth1 come from our plugin through
+//! with `kubectl apply -k` as the README says. Pods' eth0 and net1 come from our plugin through
 //! the real runtime.
 //!
 //! Run with `make node` (e2e/run-node-tests.sh), as root. The tests share one node and disturb it
@@ -15,4 +15,5 @@ mod cluster;
 mod faults;
 mod install;
 mod lifecycle;
+mod multus;
 mod workloads;
