@@ -12,6 +12,7 @@ pub mod deferral;
 pub mod findings;
 pub mod holders;
 mod loops;
+pub mod migration;
 pub mod nads;
 pub mod pools;
 pub mod slices;
