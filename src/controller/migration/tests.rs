@@ -3,7 +3,8 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use serde_json::{Value, json};
 
 use super::schema::{STATUS_SUBRESOURCE, gap, name_of, ours};
-use super::upstream::{KNOWN, NAMESPACE, evidence};
+use super::upstream::{KNOWN, Kind, NAMESPACE, evidence};
+use super::*;
 
 /// A file of the repository, by its path from the top.
 fn repo_file(file: &str) -> String {
@@ -213,6 +214,8 @@ fn a_crd_that_is_not_installed_lacks_everything() {
         found.missing,
         strings(&["spec", "status", STATUS_SUBRESOURCE])
     );
+    let text = crd_message(&found.crd, None, &found.missing);
+    assert!(text.contains("is not installed"), "{text}");
 }
 
 #[test]
@@ -283,4 +286,61 @@ fn upstreams_image_is_recognised_when_mirrored_and_without_a_command() {
     ] {
         assert_eq!(evidence(&spec(image)), None, "{image}");
     }
+}
+
+/// What the log, the Event and the finding say fits an Event's note (1 KiB at most).
+#[test]
+fn messages_name_the_object_and_the_fix_and_fit_an_event() {
+    let found = gap(&our_crd("ippools"), Some(&upstream_crd("ippools")));
+    let text = crd_message(&found.crd, found.version.as_deref(), &found.missing);
+    assert!(text.len() <= 1024, "{} bytes: {text}", text.len());
+    for part in [
+        "ippools.whereabouts.cni.cncf.io",
+        "spec.allocations.*.poduid",
+        "kubectl apply -f crds/",
+        "kubectl apply -k config/crd",
+        "kubectl apply -f charts/whereabouts/crds/",
+    ] {
+        assert!(text.contains(part), "{part}: {text}");
+    }
+    for known in &KNOWN {
+        let text = upstream_message(known.kind, NAMESPACE, known.name, "container w runs /x");
+        assert!(text.len() <= 1024, "{} bytes: {text}", text.len());
+        let remove = format!(
+            "kubectl -n kube-system delete {} {}",
+            known.kind, known.name
+        );
+        assert!(text.contains(&remove), "{text}");
+        assert!(text.contains("Migration from upstream"), "{text}");
+    }
+    assert_eq!(Kind::CronJob.to_string(), "cronjob");
+}
+
+#[test]
+fn an_observation_gives_one_finding_per_danger() {
+    let found = gap(&our_crd("ippools"), Some(&upstream_crd("ippools")));
+    let fine = gap(&our_crd("nodeslicepools"), Some(&our_crd("nodeslicepools")));
+    let seen = Observation {
+        crds: vec![(found, None), (fine, None)],
+        checked: KNOWN.iter().collect(),
+        running: vec![Sighting {
+            known: &KNOWN[0],
+            evidence: "container whereabouts runs /ip-control-loop".into(),
+            reference: Default::default(),
+        }],
+        unreadable: vec![],
+    };
+    let findings = seen.findings();
+    let kinds: Vec<&str> = findings.iter().map(|f| f.kind()).collect();
+    assert_eq!(kinds, ["crd-missing-fields", "upstream-component"]);
+    assert!(findings.iter().all(|f| !f.repairable()));
+    let text = findings[1].to_string();
+    assert!(
+        text.starts_with("upstream-component: daemonset kube-system/whereabouts is upstream"),
+        "{text}"
+    );
+    // The JSON report round-trips (repair reads it).
+    let json = serde_json::to_string(&findings).unwrap();
+    let back: Vec<Finding> = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, findings);
 }
