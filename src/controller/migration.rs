@@ -1,19 +1,25 @@
 //! Two dangers of a migration from upstream whereabouts, said loudly: a CRD that prunes our
 //! fields ([`schema`]), and upstream's own components still running next to ours ([`upstream`]).
 //!
-//! [`observe`] reads our CRDs and upstream's known objects, one GET by name each (nothing is
-//! listed); each danger it sees is a finding of `whereabouts-operator audit`, whose message says
-//! what to do.
+//! Checked at start and again every `--audit-interval`, on every replica (one GET per CRD and per
+//! known object; nothing is listed). Each danger is an error log line that says what to do, a
+//! gauge, a Warning Event (from the leader) and a finding of `whereabouts-operator audit`.
+//! Nothing here stops the operator: pools must still be cleaned while someone fixes it.
 
 pub mod schema;
 pub mod upstream;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::batch::v1::CronJob;
 use k8s_openapi::api::core::v1::{ObjectReference, PodSpec};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{Api, Client, Resource};
+use tokio::sync::watch;
 
+use super::Context;
 use super::findings::Finding;
 use upstream::{Kind, Known, NAMESPACE};
 
@@ -216,6 +222,71 @@ where
         return Ok(None);
     };
     Ok(template(&object).map(|spec| (spec.clone(), object.object_ref(&()))))
+}
+
+/// Logs what `seen` shows, sets the gauges and, when `publish`, writes the Warning Events.
+pub async fn report(ctx: &Context, seen: &Observation, publish: bool) {
+    for (gap, about) in &seen.crds {
+        ctx.metrics
+            .set_crd_fields_missing(&gap.crd, gap.missing.len());
+        if gap.is_fine() {
+            continue;
+        }
+        let message = crd_message(&gap.crd, gap.version.as_deref(), &gap.missing);
+        tracing::error!(crd = %gap.crd, missing = ?gap.missing, "{message}");
+        if let (true, Some(about)) = (publish, about) {
+            ctx.event(about, true, CRD_REASON, &message).await;
+        }
+    }
+    for known in &seen.checked {
+        let running = seen.running.iter().any(|s| std::ptr::eq(s.known, *known));
+        ctx.metrics
+            .set_upstream_component(known.kind.resource(), NAMESPACE, known.name, running);
+    }
+    for s in &seen.running {
+        let message = upstream_message(s.known.kind, NAMESPACE, s.known.name, &s.evidence);
+        tracing::error!(kind = %s.known.kind, namespace = NAMESPACE, name = s.known.name, "{message}");
+        if publish {
+            ctx.event(&s.reference, true, UPSTREAM_REASON, &message)
+                .await;
+        }
+    }
+    for e in &seen.unreadable {
+        tracing::warn!(error = %e, "migration check skipped");
+    }
+}
+
+/// One pass: read, then report (Events only from the leader, and never in a dry run).
+pub async fn check_once(ctx: &Context) -> Observation {
+    let seen = observe(&ctx.client).await;
+    report(ctx, &seen, ctx.is_leader() && !ctx.opts.dry_run).await;
+    seen
+}
+
+/// Checks at start, then every audit interval, and at once when this replica becomes the
+/// leader (so that its Events do not wait a whole interval). Never returns.
+pub async fn run(ctx: Arc<Context>) {
+    let mut leader = ctx.leader.clone();
+    loop {
+        let leading = *leader.borrow_and_update();
+        check_once(&ctx).await;
+        next_pass(&mut leader, ctx.opts.audit_interval, leading).await;
+    }
+}
+
+async fn next_pass(leader: &mut watch::Receiver<bool>, period: Duration, was_leading: bool) {
+    let promoted = async {
+        while leader.changed().await.is_ok() {
+            if *leader.borrow_and_update() && !was_leading {
+                return;
+            }
+        }
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        () = tokio::time::sleep(period) => {}
+        () = promoted => {}
+    }
 }
 
 #[cfg(test)]

@@ -304,6 +304,8 @@ pub async fn run(
     tokio::select! {
         () = watches => {}
         _ = loops => {}
+        // Not behind the caches: a missing CRD is one reason they never sync.
+        () = migration::run(ctx.clone()) => {}
         _ = shutdown => tracing::info!("shutting down"),
     }
     drop(ctx); // closes the leader channel: the election task releases the Lease
