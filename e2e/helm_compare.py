@@ -13,7 +13,9 @@ every missing, extra or different object and exits 1; exits 0 when they are the 
 
 Edits of the expected objects (each mirrors one chart value):
   --namespace NS        the release namespace: every string "whereabouts-system" becomes NS
-  --pool-namespace NS   Roles and RoleBindings in kube-system move to NS; --pool-namespace=NS
+  --pool-namespace NS   Roles and RoleBindings in kube-system move to NS (not those that read
+                        upstream's objects, UPSTREAM_ROLES, which stay where upstream puts them);
+                        --pool-namespace=NS
   --no-agent            the node DaemonSet loses its agent container and agent-socket volume
   --image IMAGE         every container's image
   --pull-policy POLICY  every container's imagePullPolicy
@@ -27,6 +29,10 @@ import re
 import sys
 
 import yaml
+
+# The operator's Role (and RoleBinding) that reads upstream whereabouts' components, which live in
+# kube-system whatever the pool namespace (src/controller/migration/upstream.rs).
+UPSTREAM_ROLES = {"whereabouts-operator-upstream"}
 
 # What Helm's chart labels add (templates/_helpers.tpl, whereabouts.chartLabels): nothing else may differ.
 CHART_KEYS = (
@@ -126,7 +132,8 @@ def apply_edits(objs, args):
         objs = {key(o): o for o in objs.values()}
     if args.pool_namespace:
         for o in objs.values():
-            if o["kind"] in ("Role", "RoleBinding") and o["metadata"].get("namespace") == "kube-system":
+            if (o["kind"] in ("Role", "RoleBinding") and o["metadata"].get("namespace") == "kube-system"
+                    and o["metadata"]["name"] not in UPSTREAM_ROLES):
                 o["metadata"]["namespace"] = args.pool_namespace
         objs = {key(o): replace_strings(o, "--pool-namespace=kube-system",
                                         f"--pool-namespace={args.pool_namespace}")

@@ -160,3 +160,78 @@ fn the_node_pod_runs_as_spc_t_unless_the_component_removes_it() {
     let patch = component["patches"][0]["patch"].as_str().unwrap();
     assert!(patch.contains("/spec/template/spec/securityContext/seLinuxOptions"));
 }
+
+/// The operator's RBAC names exactly the objects its migration checks read, each by name: our
+/// CRDs that upstream installs too, and upstream's components in kube-system. The chart carries
+/// the same names (e2e/helm-test.sh compares the rest).
+#[test]
+fn the_migration_checks_read_only_what_rbac_names() {
+    use serde_json::Value;
+    use std::collections::BTreeSet;
+    use whereabouts::controller::migration::{schema, upstream};
+
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(root.join("config/rbac/operator.yaml")).unwrap();
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&text).unwrap();
+    let rules = |kind: &str, name: &str| -> Vec<Value> {
+        let doc = docs
+            .iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("config/rbac/operator.yaml has no {kind} {name}"));
+        doc["rules"].as_array().unwrap().clone()
+    };
+    let names = |rule: &Value| -> BTreeSet<String> {
+        assert_eq!(rule["verbs"], serde_json::json!(["get"]), "{rule}");
+        let list = rule["resourceNames"].as_array().unwrap();
+        list.iter()
+            .map(|n| n.as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let crd_rule = rules("ClusterRole", "whereabouts-operator")
+        .into_iter()
+        .find(|r| r["resources"] == serde_json::json!(["customresourcedefinitions"]))
+        .expect("a rule for customresourcedefinitions");
+    let ours: BTreeSet<String> = schema::ours().iter().map(schema::name_of).collect();
+    assert_eq!(names(&crd_rule), ours);
+
+    let role = rules("Role", "whereabouts-operator-upstream");
+    for kind in [
+        upstream::Kind::DaemonSet,
+        upstream::Kind::Deployment,
+        upstream::Kind::CronJob,
+    ] {
+        let resource = format!("{}s", kind.resource());
+        let rule = role
+            .iter()
+            .find(|r| r["resources"] == serde_json::json!([resource]))
+            .unwrap_or_else(|| panic!("no rule for {resource}"));
+        let known: BTreeSet<String> = upstream::KNOWN
+            .iter()
+            .filter(|k| k.kind == kind)
+            .map(|k| k.name.to_owned())
+            .collect();
+        assert_eq!(names(rule), known, "{resource}");
+    }
+    assert_eq!(role.len(), 3, "nothing but the three kinds, by name");
+    let namespace = docs
+        .iter()
+        .find(|d| d["kind"] == "Role" && d["metadata"]["name"] == "whereabouts-operator-upstream")
+        .unwrap()["metadata"]["namespace"]
+        .clone();
+    assert_eq!(namespace, upstream::NAMESPACE);
+
+    let chart =
+        std::fs::read_to_string(root.join("charts/whereabouts/templates/rbac-operator.yaml"))
+            .unwrap();
+    for name in ours
+        .iter()
+        .map(String::as_str)
+        .chain(upstream::KNOWN.iter().map(|k| k.name))
+    {
+        assert!(
+            chart.contains(name),
+            "the chart's operator RBAC lacks {name}"
+        );
+    }
+}

@@ -12,6 +12,7 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use super::audit::{LivePods, Stale, Unguarded, expected_reservations, unclaimed};
+use super::migration::{Observation, crd_message, upstream_message};
 use super::pools::{PoolView, SliceIndex};
 use crate::crd::size::{ALERT_SHARE, POOL_OBJECT_BUDGET};
 use crate::crd::{
@@ -41,6 +42,8 @@ pub struct Snapshot {
     pub nads: Vec<NetworkAttachmentDefinition>,
     /// Reservations younger than this may be claims whose entry is being written right now.
     pub min_age: u64,
+    /// The installed CRDs and upstream's components (see [`super::migration`]).
+    pub migration: Observation,
 }
 
 /// Where an entry is: enough to release it again (pool, its range and network) and to say so.
@@ -112,6 +115,21 @@ pub enum Finding {
     },
     /// A NAD the validator refuses.
     InvalidNad { nad: String, problems: Vec<String> },
+    /// An installed CRD of ours that lacks fields we write (the API server prunes them), or is
+    /// not installed (`version` none). Not repaired: apply our CRDs.
+    CrdMissingFields {
+        crd: String,
+        version: Option<String>,
+        missing: Vec<String>,
+    },
+    /// One of upstream whereabouts' components, still running next to ours. Not repaired:
+    /// remove it.
+    UpstreamComponent {
+        workload: super::migration::upstream::Kind,
+        namespace: String,
+        name: String,
+        evidence: String,
+    },
 }
 
 impl Finding {
@@ -134,6 +152,8 @@ impl Finding {
             Finding::OutsideRange { .. } => "outside-range",
             Finding::PoolNearlyFull { .. } => "pool-nearly-full",
             Finding::InvalidNad { .. } => "invalid-nad",
+            Finding::CrdMissingFields { .. } => "crd-missing-fields",
+            Finding::UpstreamComponent { .. } => "upstream-component",
         }
     }
 }
@@ -199,6 +219,25 @@ impl std::fmt::Display for Finding {
             Finding::InvalidNad { nad, problems } => {
                 write!(f, "{kind}: {nad}: {}", problems.join("; "))
             }
+            Finding::CrdMissingFields {
+                crd,
+                version,
+                missing,
+            } => write!(
+                f,
+                "{kind}: {}",
+                crd_message(crd, version.as_deref(), missing)
+            ),
+            Finding::UpstreamComponent {
+                workload,
+                namespace,
+                name,
+                evidence,
+            } => write!(
+                f,
+                "{kind}: {}",
+                upstream_message(*workload, namespace, name, evidence)
+            ),
         }
     }
 }
@@ -285,6 +324,7 @@ pub fn audit(snap: &Snapshot) -> Vec<Finding> {
         out.extend(nearly_full(pool));
     }
     out.extend(invalid_nads(&snap.nads));
+    out.extend(snap.migration.findings());
     out
 }
 

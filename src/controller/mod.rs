@@ -12,6 +12,7 @@ pub mod deferral;
 pub mod findings;
 pub mod holders;
 mod loops;
+pub mod migration;
 pub mod nads;
 pub mod pools;
 pub mod slices;
@@ -303,6 +304,8 @@ pub async fn run(
     tokio::select! {
         () = watches => {}
         _ = loops => {}
+        // Not behind the caches: a missing CRD is one reason they never sync.
+        () = migration::run(ctx.clone()) => {}
         _ = shutdown => tracing::info!("shutting down"),
     }
     drop(ctx); // closes the leader channel: the election task releases the Lease

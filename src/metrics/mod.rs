@@ -34,6 +34,8 @@ pub struct Metrics {
     pub build_info: IntGaugeVec,
     pub webhook_requests: IntCounterVec,
     pub webhook_duration: prometheus::Histogram,
+    pub crd_fields_missing: IntGaugeVec,
+    pub upstream_components: IntGaugeVec,
 }
 
 fn register<T: Collector + Clone + 'static>(registry: &Registry, metric: T) -> T {
@@ -107,6 +109,8 @@ impl Metrics {
                 &r,
                 prometheus::Histogram::with_opts(HistogramOpts::new("whereabouts_webhook_duration_seconds", "Time to answer an admission review.").buckets(vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0])).unwrap(),
             ),
+            crd_fields_missing: register(&r, IntGaugeVec::new(Opts::new("whereabouts_crd_fields_missing", "Fields of ours the installed CRD lacks (and so the API server prunes), as last checked: 0 when it keeps them all. Fix: kubectl apply -f crds/."), &["crd"]).unwrap()),
+            upstream_components: register(&r, IntGaugeVec::new(Opts::new("whereabouts_upstream_components", "1 while this component of upstream whereabouts exists next to ours (each known one is exported, at 0 when absent): remove it."), &["kind", "namespace", "name"]).unwrap()),
             registry: r,
         }
     }
@@ -172,6 +176,20 @@ impl Metrics {
         }
     }
 
+    /// The fields of ours that the installed CRD `crd` lacks.
+    pub fn set_crd_fields_missing(&self, crd: &str, missing: usize) {
+        self.crd_fields_missing
+            .with_label_values(&[crd])
+            .set(missing as i64);
+    }
+
+    /// Whether one of upstream's components (`daemonset`, `kube-system`, `whereabouts`) runs.
+    pub fn set_upstream_component(&self, kind: &str, namespace: &str, name: &str, running: bool) {
+        self.upstream_components
+            .with_label_values(&[kind, namespace, name])
+            .set(i64::from(running));
+    }
+
     /// Adds a scrape-time collector (the pool and network usage over the operator's caches). A
     /// second registration of the same metric names is ignored.
     pub fn register_collector(&self, c: Box<dyn Collector>) {
@@ -208,6 +226,8 @@ impl Metrics {
             &self.build_info,
             &self.webhook_requests,
             &self.webhook_duration,
+            &self.crd_fields_missing,
+            &self.upstream_components,
         ])
     }
 
