@@ -521,6 +521,51 @@ async fn datastore_failures_are_reported_for_retry() {
     assert_eq!(e.code, Code::NotAvailable);
 }
 
+/// A DEL whose credentials are refused (401: the token died with an uninstalled DaemonSet's
+/// pod) reports it as such, so the plugin answers success and the pod is not kept Terminating;
+/// the entry stays. Any other failure among the ranges keeps the DEL failing.
+#[tokio::test]
+async fn a_del_refused_for_its_credentials_says_so() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "ipRanges": [{"range": "10.0.0.0/24"}, {"range": "fd00::/120"}]});
+    run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    *store.fail.lock().unwrap() = Some("Unauthorized".into());
+    store
+        .fail_code
+        .store(401, std::sync::atomic::Ordering::Relaxed);
+    let e = run(&store, Command::Del, &ipam, "c1", "p1")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.details,
+        whereabouts::cni::protocol::UNAUTHENTICATED,
+        "{}",
+        e.msg
+    );
+    store
+        .fail_code
+        .store(403, std::sync::atomic::Ordering::Relaxed);
+    let e = run(&store, Command::Del, &ipam, "c1", "p1")
+        .await
+        .unwrap_err();
+    assert_ne!(
+        e.details,
+        whereabouts::cni::protocol::UNAUTHENTICATED,
+        "a 403 is not forgiven"
+    );
+    *store.fail.lock().unwrap() = None;
+    assert_eq!(
+        store
+            .get_pool("10.0.0.0-24")
+            .await
+            .unwrap()
+            .unwrap()
+            .allocations
+            .len(),
+        1
+    );
+}
+
 #[tokio::test]
 async fn del_processes_every_range_even_when_one_has_no_entry() {
     let store = MemoryStore::new();

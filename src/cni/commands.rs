@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::Request;
-use super::protocol::{CniError, Code, Command};
+use super::protocol::{CniError, Code, Command, UNAUTHENTICATED};
 use super::reply::{IpResult, Reply, render_result, version_reply};
 use super::slices::{SLICE_WAIT, Sliced};
 use super::{keep, requested};
@@ -311,18 +311,24 @@ async fn del<S: Datastore, A: Allocate<S>>(
     req: &Request,
 ) -> Result<(), CniError> {
     let mut failures = Vec::new();
+    // Whether every failure was the API server refusing the credentials (see `cni::plugin`).
+    let mut unauthenticated = true;
+    let mut fail = |msg: String, rejected: bool| {
+        unauthenticated &= rejected;
+        failures.push(msg);
+    };
     for i in 0..req.targets.len() {
         let targets = match held_targets(store, req, i).await {
             Ok(targets) => targets,
             Err(e) => {
-                failures.push(e.msg);
+                fail(e.msg, e.details == UNAUTHENTICATED);
                 continue;
             }
         };
         for target in &targets {
             match alloc.release(store, target, &req.attachment).await {
                 Ok(ips) => tracing::info!(pool = %target.pool, released = ?ips, "released"),
-                Err(e) => failures.push(format!("{}: {e}", target.pool)),
+                Err(e) => fail(format!("{}: {e}", target.pool), e.is_unauthenticated()),
             }
             if req.keep.persistent_ips {
                 match keep::release_unclaimed(store, target, &req.attachment).await {
@@ -330,19 +336,23 @@ async fn del<S: Datastore, A: Allocate<S>>(
                         tracing::info!(pool = %target.pool, released = ?ips, "released: their IPAMClaim is gone");
                     }
                     Ok(_) => {}
-                    Err(e) => failures.push(format!("{}: {e}", target.pool)),
+                    Err(e) => fail(format!("{}: {e}", target.pool), e.is_unauthenticated()),
                 }
             }
         }
     }
     if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(CniError::new(
-            Code::TryAgainLater,
-            format!("datastore: {}", failures.join("; ")),
-        ))
+        return Ok(());
     }
+    let e = CniError::new(
+        Code::TryAgainLater,
+        format!("datastore: {}", failures.join("; ")),
+    );
+    Err(if unauthenticated {
+        e.with_details(UNAUTHENTICATED)
+    } else {
+        e
+    })
 }
 
 /// Checks that every range holds an entry for this attachment whose address is in `prevResult`.

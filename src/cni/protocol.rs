@@ -111,7 +111,7 @@ impl CniError {
             _ => "",
         };
         let details = match e {
-            crate::store::StoreError::Api { code: 401, .. } => UNAUTHENTICATED,
+            e if e.is_unauthenticated() => UNAUTHENTICATED,
             _ => e.kind(),
         };
         CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}")).with_details(details)

@@ -21,6 +21,8 @@ pub struct MemoryStore {
     writes: watch::Sender<u64>,
     /// When set, every call fails with this message (to test error paths).
     pub fail: Mutex<Option<String>>,
+    /// The HTTP status of those failures (0: 500).
+    pub fail_code: std::sync::atomic::AtomicU16,
     /// Counters of calls by kind, for tests that check how much work was done.
     pub calls: Mutex<BTreeMap<&'static str, u64>>,
     /// When set, every call yields to the scheduler first, so that concurrent tasks interleave
@@ -48,6 +50,7 @@ impl Default for MemoryStore {
             next: AtomicU64::new(0),
             writes: watch::Sender::new(0),
             fail: Mutex::default(),
+            fail_code: Default::default(),
             calls: Mutex::default(),
             interleave: Default::default(),
             held: watch::Sender::new(false),
@@ -260,7 +263,10 @@ impl MemoryStore {
             Some(message) => Err(StoreError::Api {
                 op,
                 object: object.into(),
-                code: 500,
+                code: match self.fail_code.load(Ordering::Relaxed) {
+                    0 => 500,
+                    code => code,
+                },
                 message,
             }),
             None => Ok(()),
