@@ -135,6 +135,11 @@ fn install(node: &Node) {
         eprintln!("whereabouts is installed on this node already: not installing again");
         return;
     }
+    install_with_kustomize(node);
+}
+
+/// e2e/install.sh (the README's steps), then the operator's pace for tests.
+pub fn install_with_kustomize(node: &Node) {
     let out = Command::new(repo().join("e2e/install.sh"))
         .arg(node.get("WHEREABOUTS_IMAGE"))
         .env("KUBECONFIG", &node.kubeconfig)
@@ -142,6 +147,11 @@ fn install(node: &Node) {
         .output()
         .expect("run e2e/install.sh");
     assert!(out.status.success(), "e2e/install.sh failed");
+    pace_operator(node);
+}
+
+/// The installed operator's audit at a pace the tests can wait for.
+pub fn pace_operator(node: &Node) {
     // The installed operator audits every 5 minutes and spares orphan claims for 3: the tests
     // wait a minute or two for the audit's work, so it runs at a pace they can see. The claim
     // age stays above the longest an ADD holds a claim on this node (seconds).

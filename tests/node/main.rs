@@ -16,4 +16,5 @@ mod faults;
 mod install;
 mod lifecycle;
 mod multus;
+mod reinstall;
 mod workloads;
