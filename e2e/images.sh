@@ -92,7 +92,10 @@ EOC
 BUSYBOX_IMAGE="localhost/busybox:latest"
 build busybox "$BUSYBOX_IMAGE" "$ctx" "$(cat /bin/busybox "$ctx/Containerfile" | sha256sum | cut -c1-12)" -f "$ctx/Containerfile"
 
+# upstream-image.sh's lines (UPSTREAM_*) are kept: it builds separately, and rarely.
+upstream_lines="$(grep '^UPSTREAM_' "$OUT/images.env" 2>/dev/null || true)"
 cat > "$OUT/images.env" <<EOE
+$upstream_lines
 WHEREABOUTS_IMAGE=$WHEREABOUTS_IMAGE
 WHEREABOUTS_ARCHIVE=$OUT/whereabouts.tar
 PAUSE_IMAGE=$PAUSE_IMAGE

@@ -357,7 +357,8 @@ EOF
 
 import_images() {
   local a
-  for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE"; do
+  # Upstream v0.9.2's image too, when e2e/upstream-image.sh built it (migration tests).
+  for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE" ${UPSTREAM_ARCHIVE:+"$UPSTREAM_ARCHIVE"}; do
     "${CTR[@]}" images import "$a" >/dev/null \
       || die "ctr images import $a failed"
   done
