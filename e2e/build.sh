@@ -84,7 +84,10 @@ helm_ldflags() {
 
 # Multus v4.3.0 is not served by the Go proxy: it builds from its archive, vendored dependencies
 # included, with no download. The archive's sha256 is checked against the one its README gives.
+# A clone elsewhere (CI's) finds the workplace's copy at its usual place.
 MULTUS_SOURCE="${WHEREABOUTS_E2E_MULTUS_SOURCE:-$E2E_DIR/../../shared/vendor/multus-cni-v4.3.0.tar.gz}"
+[[ -f "$MULTUS_SOURCE" || -n "${WHEREABOUTS_E2E_MULTUS_SOURCE:-}" ]] \
+  || MULTUS_SOURCE=/work/shared/vendor/multus-cni-v4.3.0.tar.gz
 MULTUS_SHA256=2660d40d01f02a4fb9a0422eb58e9b3708624ec1372fab19bdce99ec044f1dc7
 build_multus() {
   local stamp_file="$BIN_DIR/.multus.stamp" want have src start

@@ -181,9 +181,11 @@ fn a_pod_on_two_nads_holds_the_addresses_multus_reports_and_the_pools_record() {
     assert_eq!(pools.len(), 4, "{pools:?}");
 }
 
-/// Deleting a pod frees its NAD addresses whoever acts first: the kubelet's DEL through Multus
-/// (graceful delete on a running node), or the operator reading Multus's network-status (the
-/// pod force-deleted while the kubelet is down); the other finds nothing and is harmless.
+/// Deleting a pod frees its NAD addresses whoever acts first. Usually the kubelet's DEL through
+/// Multus does, before the pod object goes, and the operator finds nothing. When that DEL cannot
+/// (Multus lost its cache of the sandbox's delegates, as after a reboot that empties its cache
+/// folder, and the pod is gone from the API: Multus then answers success without calling them),
+/// the operator frees them from the pod's Multus network-status once the pod is gone.
 #[test]
 fn a_deleted_multus_pod_is_freed_by_the_kubelets_del_or_by_the_operator() {
     let w = Workload::new("multus-del");
@@ -206,14 +208,15 @@ fn a_deleted_multus_pod_is_freed_by_the_kubelets_del_or_by_the_operator() {
         None,
     );
     w.wait_gone("app=graceful", 60);
-    assert!(
-        pooled(&podref("graceful")).is_empty(),
-        "{:?}",
-        pooled(&podref("graceful"))
-    );
+    let left = pooled(&podref("graceful"));
+    assert!(left.is_empty(), "{left:?}");
 
-    // Forced with the kubelet down: the sandbox still runs, and only the operator can free it.
+    // Forced while the kubelet is down for a few seconds (the node stays Ready), and Multus's
+    // cache of the sandbox lost: the kubelet's DEL succeeds and frees nothing.
     let sandbox = sandbox_of(&w.ns, "forced").expect("forced's sandbox");
+    let cache = std::path::Path::new(node().get("NODE_DIR"))
+        .join("multus-cache")
+        .join(&sandbox);
     node().script("stop", "kubelet");
     let out = kubectl(
         &[
@@ -227,30 +230,34 @@ fn a_deleted_multus_pod_is_freed_by_the_kubelets_del_or_by_the_operator() {
         ],
         None,
     );
+    let removed = std::fs::remove_file(&cache);
+    node().script("start", "kubelet");
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    wait_until(120, "the operator frees forced's addresses", || {
+    removed.unwrap_or_else(|e| panic!("{}: {e}", cache.display()));
+    // Stopped (its network torn down by the DEL), long before the operator's grace is over.
+    wait_until(60, "the kubelet stops forced's sandbox", || {
+        (!sandbox_ready(&sandbox))
+            .then_some(())
+            .ok_or_else(|| format!("sandbox {sandbox} still ready"))
+    });
+    let held = pooled(&podref("forced"));
+    assert_eq!(
+        held.len(),
+        3,
+        "Multus's DEL without its cache freed nothing: {held:?}"
+    );
+    // The operator, from the network-status Multus wrote, once the pod is gone (after its
+    // --deleted-pod-grace, 60 s, on a Ready node).
+    wait_until(150, "the operator frees forced's addresses", || {
         let left = pooled(&podref("forced"));
         left.is_empty()
             .then_some(())
             .ok_or_else(|| format!("{left:?}"))
     });
-    assert!(
-        sandbox_present(&sandbox),
-        "the sandbox outlived its pod while the kubelet was down"
-    );
-    // The kubelet back: its DEL through Multus (the pod gone from the API) succeeds, so the
-    // sandbox is removed, and nothing comes back into the pools.
-    node().script("start", "kubelet");
-    wait_until(180, "the kubelet removes forced's sandbox", || {
-        (!sandbox_present(&sandbox))
-            .then_some(())
-            .ok_or_else(|| format!("sandbox {sandbox} still present"))
-    });
-    assert!(pooled(&podref("forced")).is_empty());
 }
 
 /// The sandbox id of pod `ns/name` as the runtime lists it.
@@ -262,8 +269,8 @@ fn sandbox_of(ns: &str, name: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-fn sandbox_present(id: &str) -> bool {
-    let out = node().crictl(&["pods", "-q", "--id", id]);
+fn sandbox_ready(id: &str) -> bool {
+    let out = node().crictl(&["pods", "-q", "--id", id, "--state", "ready"]);
     !String::from_utf8_lossy(&out.stdout).trim().is_empty()
 }
 
