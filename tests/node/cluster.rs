@@ -298,6 +298,11 @@ impl Workload {
 
     /// The test pods' spec, each line indented by `indent` spaces.
     pub fn pod_spec(&self, indent: usize) -> String {
+        self.pod_spec_running(indent, POD_COMMAND)
+    }
+
+    /// The test pods' spec with `command` run by `/bin/sh -c`, indented by `indent` spaces.
+    pub fn pod_spec_running(&self, indent: usize, command: &str) -> String {
         let spec = format!(
             r#"terminationGracePeriodSeconds: 2
 automountServiceAccountToken: false
@@ -306,7 +311,7 @@ containers:
   - name: main
     image: {}
     imagePullPolicy: Never
-    command: ["/bin/sh", "-c", "{POD_COMMAND}"]"#,
+    command: ["/bin/sh", "-c", "{command}"]"#,
             node().get("BUSYBOX_IMAGE")
         );
         indented(&spec, indent)

@@ -34,22 +34,11 @@ const NAD_POD_COMMAND: &str = "ip -o addr show; trap 'exit 0' TERM; while true; 
 
 /// A bare pod `name` selecting `networks` (the annotation's value).
 pub fn nad_pod(w: &Workload, name: &str, networks: &str) {
-    let spec = format!(
-        r#"terminationGracePeriodSeconds: 2
-automountServiceAccountToken: false
-enableServiceLinks: false
-containers:
-  - name: main
-    image: {}
-    imagePullPolicy: Never
-    command: ["/bin/sh", "-c", "{NAD_POD_COMMAND}"]"#,
-        node().get("BUSYBOX_IMAGE")
-    );
     let annotations = json!({"k8s.v1.cni.cncf.io/networks": networks}).to_string();
     w.apply(&format!(
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  labels: {{app: {name}}}\n  \
          annotations: {annotations}\nspec:\n{}\n",
-        indented(&spec, 2)
+        w.pod_spec_running(2, NAD_POD_COMMAND)
     ));
 }
 
