@@ -193,7 +193,8 @@ fn node_rights(ns: &Ns) {
             let kind = o["kind"].as_str().unwrap_or_default();
             let name = o["metadata"]["name"].as_str().unwrap_or_default();
             is_node_limit(o)
-                || (name == NODE && kind.contains("Role"))
+                // (not its Role in whereabouts-system: the installer's, for an uninstall)
+                || (name == NODE && kind.contains("Role") && o["metadata"]["namespace"] != SYSTEM)
                 || (name == SYSTEM && kind == "Namespace")
                 || (name == NODE && kind == "ServiceAccount")
         })
