@@ -214,6 +214,7 @@ impl Metrics {
     pub fn names(&self) -> Vec<String> {
         names(&[
             &self.releases,
+            &self.releases_waiting,
             &self.release_errors,
             &self.reconciles,
             &self.reconcile_duration,
