@@ -89,17 +89,27 @@ MULTUS_SOURCE="${WHEREABOUTS_E2E_MULTUS_SOURCE:-$E2E_DIR/../../shared/vendor/mul
 [[ -f "$MULTUS_SOURCE" || -n "${WHEREABOUTS_E2E_MULTUS_SOURCE:-}" ]] \
   || MULTUS_SOURCE=/work/shared/vendor/multus-cni-v4.3.0.tar.gz
 MULTUS_SHA256=2660d40d01f02a4fb9a0422eb58e9b3708624ec1372fab19bdce99ec044f1dc7
+
+# up_to_date NAME WANT: e2e/bin/NAME exists and was built from the inputs whose hash is WANT.
+up_to_date() {
+  [[ -x "$BIN_DIR/$1" && "$(cat "$BIN_DIR/.$1.stamp" 2>/dev/null || true)" == "$2" ]] || return 1
+  log "$1: up to date"
+}
+
+# built NAME WANT START: e2e/bin/NAME.tmp becomes NAME, stamped with WANT.
+built() {
+  mv -f "$BIN_DIR/$1.tmp" "$BIN_DIR/$1"
+  echo "$2" > "$BIN_DIR/.$1.stamp"
+  log "$1: built in $(($(date +%s) - $3)) s -> $BIN_DIR/$1"
+}
+
 build_multus() {
-  local stamp_file="$BIN_DIR/.multus.stamp" want have src start
+  local want src start
   [[ -f "$MULTUS_SOURCE" ]] || die "Multus source $MULTUS_SOURCE missing (see ../shared/vendor/README.md)"
   [[ "$(sha256sum "$MULTUS_SOURCE" | cut -d' ' -f1)" == "$MULTUS_SHA256" ]] \
     || die "$MULTUS_SOURCE: sha256 is not $MULTUS_SHA256"
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "$MULTUS_SHA256"; } | sha256sum | cut -d' ' -f1)"
-  have="$(cat "$stamp_file" 2>/dev/null || true)"
-  if [[ -x "$BIN_DIR/multus" && "$have" == "$want" ]]; then
-    log "multus: up to date"
-    return 0
-  fi
+  up_to_date multus "$want" && return 0
   log "multus: building ./cmd/multus from $MULTUS_SOURCE (about 4 minutes)"
   start=$(date +%s)
   src="$(mktemp -d)"
@@ -109,14 +119,12 @@ build_multus() {
     die "go build of multus failed"
   fi
   rm -rf "$src"
-  mv -f "$BIN_DIR/multus.tmp" "$BIN_DIR/multus"
-  echo "$want" > "$stamp_file"
-  log "multus: built in $(($(date +%s) - start)) s -> $BIN_DIR/multus"
+  built multus "$want" "$start"
 }
 
 build_one() {
   [[ "$1" == multus ]] && { build_multus; return; }
-  local name="$1" mod_dir pkg ldflags stamp_file want have start end
+  local name="$1" mod_dir pkg ldflags want start
   mod_dir="$(module_of "$name")"
   pkg="$(package_of "$name")"
   ldflags="-s -w"
@@ -126,15 +134,10 @@ build_one() {
     helm) ldflags+="$(helm_ldflags "$mod_dir")" ;;
     *) ldflags+="$(version_ldflags "$mod_dir")" ;;
   esac
-  stamp_file="$BIN_DIR/.$name.stamp"
   # `go mod edit -json` rather than the raw go.mod: comment edits don't count.
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "pkg=$pkg"; echo "ldflags=$ldflags";
              (cd "$mod_dir" && go mod edit -json); cat "$mod_dir/go.sum"; } | sha256sum | cut -d' ' -f1)"
-  have="$(cat "$stamp_file" 2>/dev/null || true)"
-  if [[ -x "$BIN_DIR/$name" && "$have" == "$want" ]]; then
-    log "$name: up to date"
-    return 0
-  fi
+  up_to_date "$name" "$want" && return 0
   log "$name: building $pkg (this takes minutes on a cold Go build cache)"
   start=$(date +%s)
   # -mod=readonly: go.sum is checked in and complete; never rewrite it here.
@@ -143,10 +146,7 @@ build_one() {
     rm -f "$BIN_DIR/$name.tmp"
     die "go build of $name failed (module $mod_dir)"
   fi
-  mv -f "$BIN_DIR/$name.tmp" "$BIN_DIR/$name"
-  echo "$want" > "$stamp_file"
-  end=$(date +%s)
-  log "$name: built in $((end - start)) s -> $BIN_DIR/$name"
+  built "$name" "$want" "$start"
 }
 
 mkdir -p "$BIN_DIR"
