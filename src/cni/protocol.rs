@@ -102,19 +102,15 @@ impl CniError {
     /// A datastore failure: worth retrying (code 11), its kind in `details`. A 401 says what to
     /// look at: the node's token is short-lived and bound to the DaemonSet's pod on the node.
     pub fn datastore(e: &crate::store::StoreError) -> Self {
-        let hint = match e {
-            crate::store::StoreError::Api { code: 401, .. } => {
-                " (the API server does not accept the plugin's credentials: the token in its \
-                 kubeconfig expired or the pod it was issued to is gone; the whereabouts \
-                 DaemonSet's pod on this node renews it while it runs)"
-            }
-            _ => "",
-        };
-        let details = match e {
-            e if e.is_unauthenticated() => UNAUTHENTICATED,
-            _ => e.kind(),
-        };
-        CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}")).with_details(details)
+        if !e.is_unauthenticated() {
+            return CniError::new(Code::TryAgainLater, format!("datastore: {e}"))
+                .with_details(e.kind());
+        }
+        let hint = " (the API server does not accept the plugin's credentials: the token in its \
+                    kubeconfig expired or the pod it was issued to is gone; the whereabouts \
+                    DaemonSet's pod on this node renews it while it runs)";
+        CniError::new(Code::TryAgainLater, format!("datastore: {e}{hint}"))
+            .with_details(UNAUTHENTICATED)
     }
 
     pub fn new(code: Code, msg: impl Into<String>) -> Self {
