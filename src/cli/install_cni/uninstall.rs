@@ -60,16 +60,15 @@ async fn decide(args: &InstallCniArgs, pod: &str, namespace: &str) -> anyhow::Re
         return Ok(Decision::Keep("this pod has no DaemonSet".into()));
     };
     let daemonsets = Api::<DaemonSet>::namespaced(client.clone(), namespace);
-    match daemonsets.get_opt(&owner.name).await? {
-        Some(ds)
-            if ds.metadata.deletion_timestamp.is_none() && ds.metadata.uid == Some(owner.uid) =>
-        {
-            return Ok(Decision::Keep(format!(
-                "DaemonSet {} is in place",
-                owner.name
-            )));
-        }
-        _ => {}
+    // A DaemonSet of that name that is not being deleted keeps the files, whether it is ours or
+    // a successor (a reinstall racing this pod's termination): its installer owns them now.
+    if let Some(ds) = daemonsets.get_opt(&owner.name).await?
+        && ds.metadata.deletion_timestamp.is_none()
+    {
+        return Ok(Decision::Keep(format!(
+            "DaemonSet {} is in place",
+            owner.name
+        )));
     }
     let Some(node) = &args.node_name else {
         return Ok(Decision::Keep(
