@@ -7,7 +7,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use serde_json::{Value, json};
 
-use crate::cluster::{POOL_NAMESPACE, Workload, get_json, indented, kubectl, node, wait_until};
+use crate::cluster::{POOL_NAMESPACE, Workload, get_json, kubectl, node, wait_until};
 
 /// A NetworkAttachmentDefinition `name` in the workload's namespace, whose config is `config`
 /// (the CNI config as users write it: cniVersion and name added here).
