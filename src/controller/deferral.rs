@@ -68,33 +68,56 @@ pub fn wait(node: NodeHealth, since: Instant, grace: Duration, now: Instant) -> 
     }
 }
 
-/// The deleted pods whose release waits, by podref: their UID and what they wait for.
+/// A waiting pod: its UID, what it waits for, and whether it holds an address of ours (every
+/// deleted pod of a node waits, since an entry may not be in the cache yet; the gauge counts only
+/// those known to hold one).
+#[derive(Debug, Clone)]
+struct Waiter {
+    uid: String,
+    wait: Wait,
+    holds: bool,
+}
+
+/// The deleted pods whose release waits, by podref.
 #[derive(Debug, Default)]
 pub struct Waiting {
-    pods: Mutex<HashMap<String, (String, Wait)>>,
+    pods: Mutex<HashMap<String, Waiter>>,
 }
 
 impl Waiting {
-    pub fn set(&self, podref: &str, uid: &str, wait: Wait) {
+    /// Records what `podref`'s release waits for; `holds`: it has an entry or a network-status
+    /// address of ours.
+    pub fn set(&self, podref: &str, uid: &str, wait: Wait, holds: bool) {
         let mut pods = self.pods.lock().expect("not poisoned");
         match wait {
             Wait::No => pods.remove(podref),
-            w => pods.insert(podref.to_owned(), (uid.to_owned(), w)),
+            wait => pods.insert(
+                podref.to_owned(),
+                Waiter {
+                    uid: uid.to_owned(),
+                    wait,
+                    holds,
+                },
+            ),
         };
     }
 
-    /// The waiting pods as `podref -> UID`, for the audit's live set.
+    /// The waiting pods as `podref -> UID`, for the audit's live set (all of them).
     pub fn pods(&self) -> Vec<(String, String)> {
         let pods = self.pods.lock().expect("not poisoned");
         pods.iter()
-            .map(|(p, (uid, _))| (p.clone(), uid.clone()))
+            .map(|(p, w)| (p.clone(), w.uid.clone()))
             .collect()
     }
 
-    /// How many wait, by reason.
+    /// How many that hold addresses wait, by reason.
     pub fn counts(&self) -> [(&'static str, usize); 2] {
         let pods = self.pods.lock().expect("not poisoned");
-        let of = |r: &str| pods.values().filter(|(_, w)| w.reason() == r).count();
+        let of = |r: &str| {
+            pods.values()
+                .filter(|w| w.holds && w.wait.reason() == r)
+                .count()
+        };
         [
             ("kubelet_grace", of("kubelet_grace")),
             ("node_not_ready", of("node_not_ready")),
@@ -126,13 +149,23 @@ mod tests {
             t0 + Duration::from_secs(3)
         );
         let waiting = Waiting::default();
-        waiting.set("ns/a", "u1", Wait::NodeNotReady);
-        waiting.set("ns/b", "u2", Wait::Kubelet(t0));
+        waiting.set("ns/a", "u1", Wait::NodeNotReady, true);
+        waiting.set("ns/b", "u2", Wait::Kubelet(t0), true);
+        // A pod of no whereabouts network waits too, but is not counted.
+        waiting.set("ns/c", "u3", Wait::NodeNotReady, false);
         assert_eq!(
             waiting.counts(),
             [("kubelet_grace", 1), ("node_not_ready", 1)]
         );
-        waiting.set("ns/a", "u1", Wait::No);
-        assert_eq!(waiting.pods(), [("ns/b".to_owned(), "u2".to_owned())]);
+        waiting.set("ns/a", "u1", Wait::No, true);
+        let mut pods = waiting.pods();
+        pods.sort();
+        assert_eq!(
+            pods,
+            [
+                ("ns/b".to_owned(), "u2".to_owned()),
+                ("ns/c".to_owned(), "u3".to_owned())
+            ]
+        );
     }
 }

@@ -418,7 +418,7 @@ async fn cleanup_worker(
             // The new leader's audit decides; nothing here waits any more.
             for job in &batch {
                 ctx.waiting
-                    .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No);
+                    .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No, false);
             }
             continue;
         }
@@ -441,6 +441,8 @@ async fn cleanup_worker(
 fn not_waiting(ctx: &Context, batch: Vec<Job>, tx: &mpsc::UnboundedSender<Job>) -> Vec<Job> {
     let now = std::time::Instant::now();
     let mut due = Vec::with_capacity(batch.len());
+    // Read once, and only if some pod waits.
+    let mut views = None;
     for mut job in batch {
         let wait = match (&job.trigger, job.node.as_deref()) {
             (Trigger::Deleted, Some(node)) => {
@@ -453,11 +455,15 @@ fn not_waiting(ctx: &Context, batch: Vec<Job>, tx: &mpsc::UnboundedSender<Job>) 
             }
             _ => deferral::Wait::No,
         };
-        ctx.waiting.set(&job.pod.podref, &job.pod.uid, wait);
         if wait == deferral::Wait::No {
+            ctx.waiting.set(&job.pod.podref, &job.pod.uid, wait, false);
             due.push(job);
             continue;
         }
+        let views = views.get_or_insert_with(|| ctx.pool_views());
+        let holds =
+            !job.pod.addresses.is_empty() || !pools::entries_of_pod(views, &job.pod).is_empty();
+        ctx.waiting.set(&job.pod.podref, &job.pod.uid, wait, holds);
         tracing::debug!(pod = %job.pod.podref, reason = wait.reason(), "release waits for the node's kubelet");
         let (tx, at) = (tx.clone(), wait.recheck_at(now));
         tokio::spawn(async move {

@@ -627,8 +627,8 @@ fn a_force_deleted_pods_address_waits_for_its_nodes_kubelet() {
         "freed within the kubelet's grace\n{}",
         op.log()
     );
-    // At least: the operator watches every pod, and tests running meanwhile force-delete pods of
-    // their own NotReady nodes (node_limits' token pods), which it counts too.
+    // At least: tests running meanwhile may force-delete pods of their own NotReady nodes that
+    // hold addresses too (pods that hold none, like node_limits' token pods, are not counted).
     let waiting = |reason: &str, n: u32| {
         op.get("/metrics").is_some_and(|m| {
             let key = format!("whereabouts_releases_waiting{{reason=\"{reason}\"}} ");
