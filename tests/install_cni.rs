@@ -17,6 +17,12 @@ struct Fixture {
     args: InstallCniArgs,
 }
 
+/// A plugin the installer accepts: this machine's ELF header (this test's own), then `tag`.
+fn fake_plugin(tag: &str) -> Vec<u8> {
+    let exe = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    [&exe[..64], tag.as_bytes()].concat()
+}
+
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let sa = dir.path().join("sa");
@@ -25,7 +31,7 @@ fn fixture() -> Fixture {
     std::fs::write(sa.join("ca.crt"), CA).unwrap();
     std::fs::write(sa.join("namespace"), "kube-system").unwrap();
     let bin = dir.path().join("src-whereabouts");
-    std::fs::write(&bin, b"\x7fELF fake plugin v1").unwrap();
+    std::fs::write(&bin, fake_plugin("fake plugin v1")).unwrap();
     let mut args = InstallCniArgs::defaults();
     args.host_root = dir.path().join("host");
     args.source_binary = Some(bin);
@@ -66,7 +72,10 @@ fn installs_binary_flat_file_and_kubeconfig_with_their_modes() {
     let t = f.args.targets();
     let host = f.dir.path().join("host");
     assert_eq!(t.binary, host.join("opt/cni/bin/whereabouts"));
-    assert_eq!(std::fs::read(&t.binary).unwrap(), b"\x7fELF fake plugin v1");
+    assert_eq!(
+        std::fs::read(&t.binary).unwrap(),
+        fake_plugin("fake plugin v1")
+    );
     assert_eq!(mode(&t.binary), 0o755);
 
     let flat: serde_json::Value =
@@ -144,7 +153,7 @@ fn rewrites_only_what_changed() {
     // A new plugin version and a log level.
     std::fs::write(
         f.args.source_binary.as_ref().unwrap(),
-        b"\x7fELF fake plugin v2",
+        fake_plugin("fake plugin v2"),
     )
     .unwrap();
     f.args.log_level = Some("debug".into());

@@ -25,6 +25,7 @@ use kube::config::{
 
 use super::run::parse_duration;
 
+mod arch;
 mod flat;
 mod uninstall;
 pub use flat::flat_file;
@@ -246,6 +247,16 @@ pub fn install_once(args: &InstallCniArgs) -> anyhow::Result<Report> {
     let source = source_binary(args)?;
     let binary = std::fs::read(&source)
         .with_context(|| format!("--source-binary {}: cannot read", source.display()))?;
+    let (bin_dir, file_name) = (
+        targets.binary.parent().expect("targets have a parent"),
+        targets
+            .binary
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy(),
+    );
+    arch::check(&binary, bin_dir, &file_name)
+        .with_context(|| format!("--source-binary {}", source.display()))?;
     let kubeconfig = kubeconfig(args)?;
 
     for (dir, flag) in [
