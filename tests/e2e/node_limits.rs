@@ -3,7 +3,7 @@
 //! writes only for pools' writer turns (the ValidatingAdmissionPolicy), and its requests in their
 //! own API Priority and Fairness level.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
@@ -62,7 +62,7 @@ fn node_account(ns: &Ns) -> PathBuf {
         .into_iter()
         .filter(is_node_limit)
         .collect();
-    assert_eq!(limits.len(), 6, "{limits:?}");
+    assert_eq!(limits.len(), 8, "{limits:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": limits});
     admin(&["apply", "-f", "-"], Some(&list.to_string()));
     let _ = kubectl_raw(admin_kubeconfig(), &["create", "namespace", SYSTEM], None);
@@ -205,9 +205,31 @@ fn node_rights(ns: &Ns) {
             o
         })
         .collect();
-    assert_eq!(objects.len(), 12, "{objects:?}");
+    assert_eq!(objects.len(), 14, "{objects:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
     admin(&["apply", "-f", "-"], Some(&list.to_string()));
+}
+
+/// Writes IPAMClaim `ns/name`'s `status.ips` as the plugin does (`KubeStore`, whose kubeconfig is
+/// `kubeconfig`); the API server's refusal as text.
+fn claim_status(kubeconfig: &Path, ns: &str, name: &str, ips: &[&str]) -> Result<(), String> {
+    use whereabouts::store::Datastore as _;
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let (config, _) = whereabouts::kubeconfig::load(Some(kubeconfig.to_str().unwrap()))
+            .await
+            .unwrap();
+        let client = kube::Client::try_from(config).unwrap();
+        let store = whereabouts::store::kubernetes::KubeStore::new(client, ns);
+        let claim = store.get_ipam_claim(ns, name).await.unwrap().unwrap();
+        let mut status = claim.status.clone().unwrap_or_default();
+        status.ips = ips.iter().map(|ip| ip.to_string()).collect();
+        match store.write_ipam_claim_status(&claim, &status).await {
+            Ok(whereabouts::store::Write::Done) => Ok(()),
+            Ok(other) => Err(format!("{other:?}")),
+            Err(e) => Err(format!("{e:#}")),
+        }
+    })
 }
 
 /// A kubeconfig with a token of the node account bound to a pod on `node`, as the DaemonSet's
@@ -341,6 +363,50 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    // IPAMClaims: a's token may record addresses in a claim's status and add more, but not
+    // change or remove those it records (the claim's next pod, on any node, is given them).
+    for name in ["vm1.net", "probe.net"] {
+        let vm = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+            "metadata": {"name": name}, "spec": {"network": "net", "interface": "net1"}});
+        ns.kubectl_ok_stdin(&["create", "-f", "-"], &vm.to_string());
+    }
+    // (Refused once the API server has loaded the policy: probed on a claim of its own, put back
+    // by the admin while a's change still goes through.)
+    claim_status(&a_creds, &ns.name, "probe.net", &["10.94.0.250/32"]).unwrap();
+    assert!(
+        eventually(30, || {
+            let moved = claim_status(&a_creds, &ns.name, "probe.net", &["10.94.0.251/32"]);
+            let back = json!({"status": {"ips": ["10.94.0.250/32"]}}).to_string();
+            let patch = [
+                "patch",
+                "ipamclaim",
+                "probe.net",
+                "--subresource=status",
+                "--type=merge",
+            ];
+            if moved.is_ok() {
+                ns.kubectl_ok(&[&patch[..], &["-p", &back]].concat());
+            }
+            moved.is_err_and(|e| e.contains("not change or remove"))
+        }),
+        "the claims policy was never loaded"
+    );
+    // Written as the plugin writes it (its store, a merge patch of the status at the version
+    // read), with a's credentials.
+    let record = |ips: &[&str]| claim_status(&a_creds, &ns.name, "vm1.net", ips);
+    let recorded = ["10.94.0.200/32", "fd00::5/64"];
+    for ips in [&["10.94.0.200/24"][..], &recorded] {
+        record(ips).unwrap();
+    }
+    let why = "but not change or remove those it records (10.94.0.200, fd00::5)";
+    // One moved, one dropped.
+    for ips in [&["10.94.0.201/24", "fd00::5/64"][..], &["fd00::5/64"]] {
+        let err = record(ips).unwrap_err();
+        assert!(err.contains(why), "{err}");
+    }
+    let vm = ns.get_json(&["ipamclaim", "vm1.net"]).unwrap();
+    assert_eq!(vm["status"]["ips"], json!(recorded));
 
     // a's own CHECK, DEL and GC work: GC frees a's entry whose pod is gone, never b's.
     let mut check = a.conf(&ipam);
