@@ -54,9 +54,16 @@ crds:
 build:
 	$(CARGO) build --bins
 
-# The release binaries: static (musl), as the image and every node need them.
+# The release binaries: static (musl), as the image and every node need them, for each platform
+# of the image: target/image/<arch>/ is what the Dockerfile's `local` stage copies for
+# `--platform linux/<arch>`. arm64 is cross-compiled (.cargo/config.toml).
+RELEASE_PLATFORMS ?= amd64:x86_64-unknown-linux-musl arm64:aarch64-unknown-linux-musl
 release:
-	$(CARGO) build --release --locked --target x86_64-unknown-linux-musl --bins
+	set -e; for p in $(RELEASE_PLATFORMS); do \
+	  arch=$${p%%:*}; target=$${p#*:}; \
+	  $(CARGO) build --release --locked --target $$target --bins; \
+	  install -D -m 0755 -t target/image/$$arch target/$$target/release/whereabouts target/$$target/release/whereabouts-operator; \
+	done
 
 # The README's demo: a local control plane, the operator, the webhook, sample NADs, pods; cleans up.
 demo:
@@ -66,7 +73,7 @@ demo:
 deps:
 	e2e/install-deps.sh
 	rustup component add clippy rustfmt
-	rustup target add x86_64-unknown-linux-musl
+	rustup target add x86_64-unknown-linux-musl aarch64-unknown-linux-musl
 	rustup toolchain install nightly --profile minimal
 	$(FUZZ) --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds the OCI images the real node runs (e2e/node.sh), with no registry and no base image:
-#   localhost/whereabouts:<tag>  the repo's Dockerfile, stage `local`: the static binaries of
-#                                `cargo build --release --target x86_64-unknown-linux-musl`
+#   localhost/whereabouts:<tag>  the repo's Dockerfile, stage `local`, linux/amd64: the static
+#                                binaries of `cargo build --release --target x86_64-unknown-linux-musl`
+#                                (copied to target/image/amd64/, as `make release` does)
 #   localhost/pause:3.10         Kubernetes' own pause.c (from the pinned k8s.io/kubernetes
 #                                module), compiled statically with musl-gcc
 #   localhost/busybox:latest     Debian's busybox-static and its applet links, for test pods
+#   localhost/multus-thick:v4.3.0  Multus's thick mode (multus-daemon, multus-shim) for the node
+#                                tier's thick-mode test
 # Each goes to an OCI archive in the output folder; `images.env` there names them:
 #   WHEREABOUTS_IMAGE=localhost/whereabouts:<tag>  (the tag is a digest of the two binaries, so
 #   a rebuild is a new tag and a node never runs a stale image under an old name)
@@ -56,9 +59,11 @@ build() {
 log "static binaries: $CARGO build --release --locked --target $TARGET --bins"
 (cd "$REPO" && "$CARGO" build --release --locked --target "$TARGET" --bins >&2)
 bins=("$REPO/target/$TARGET/release/whereabouts" "$REPO/target/$TARGET/release/whereabouts-operator")
+install -D -m 0755 -t "$REPO/target/image/amd64" "${bins[@]}"
 digest="$(cat "${bins[@]}" "$REPO/Dockerfile" | sha256sum | cut -c1-12)"
 WHEREABOUTS_IMAGE="localhost/whereabouts:dev-$digest"
-build whereabouts "$WHEREABOUTS_IMAGE" "$REPO" "$digest" --target local -f "$REPO/Dockerfile"
+build whereabouts "$WHEREABOUTS_IMAGE" "$REPO" "$digest" --target local -f "$REPO/Dockerfile" \
+  --platform linux/amd64 --build-arg TARGETARCH=amd64
 
 # 2. pause: the sandbox image every pod starts with.
 pause_src="$(cd "$E2E_DIR/k8s" && GOTOOLCHAIN=local go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
@@ -92,6 +97,33 @@ EOC
 BUSYBOX_IMAGE="localhost/busybox:latest"
 build busybox "$BUSYBOX_IMAGE" "$ctx" "$(cat /bin/busybox "$ctx/Containerfile" | sha256sum | cut -c1-12)" -f "$ctx/Containerfile"
 
+# 4. multus-thick: Multus v4.3.0's thick mode (e2e/build.sh multus-daemon multus-shim) at the
+#    paths of its own image, and busybox for the init container that copies the shim to the host.
+ctx="$OUT/ctx-multus-thick"
+rm -rf "$ctx" && mkdir -p "$ctx/rootfs/bin" "$ctx/rootfs/usr/src/multus-cni/bin"
+for b in multus-daemon multus-shim; do
+  [[ -x "$E2E_DIR/bin/$b" ]] || die "e2e/bin/$b missing (e2e/build.sh $b)"
+  cp "$E2E_DIR/bin/$b" "$ctx/rootfs/usr/src/multus-cni/bin/$b"
+done
+cp /bin/busybox "$ctx/rootfs/bin/busybox"
+for applet in sh cp mv; do ln -s busybox "$ctx/rootfs/bin/$applet"; done
+# The daemon checks it runs as root with os/user, which (built without cgo) reads /etc/passwd;
+# without the file it dereferences a nil user and panics.
+mkdir -p "$ctx/rootfs/etc" "$ctx/rootfs/var"
+echo 'root:x:0:0:root:/root:/bin/sh' > "$ctx/rootfs/etc/passwd"
+# The runtime names network namespaces by /var/run/netns/...: /var/run is /run, as in a distro.
+ln -s ../run "$ctx/rootfs/var/run"
+echo 'root:x:0:' > "$ctx/rootfs/etc/group"
+cat > "$ctx/Containerfile" <<'EOC'
+FROM scratch
+COPY rootfs/ /
+ENV PATH=/bin
+EOC
+MULTUS_THICK_IMAGE="localhost/multus-thick:v4.3.0"
+build multus-thick "$MULTUS_THICK_IMAGE" "$ctx" \
+  "$( { cat "$E2E_DIR/bin/multus-daemon" "$E2E_DIR/bin/multus-shim" /bin/busybox "$ctx/Containerfile" "$ctx/rootfs/etc/passwd"; readlink "$ctx/rootfs/var/run"; } | sha256sum | cut -c1-12)" \
+  -f "$ctx/Containerfile"
+
 # upstream-image.sh's lines (UPSTREAM_*) are kept: it builds separately, and rarely.
 upstream_lines="$(grep '^UPSTREAM_' "$OUT/images.env" 2>/dev/null || true)"
 cat > "$OUT/images.env" <<EOE
@@ -102,5 +134,7 @@ PAUSE_IMAGE=$PAUSE_IMAGE
 PAUSE_ARCHIVE=$OUT/pause.tar
 BUSYBOX_IMAGE=$BUSYBOX_IMAGE
 BUSYBOX_ARCHIVE=$OUT/busybox.tar
+MULTUS_THICK_IMAGE=$MULTUS_THICK_IMAGE
+MULTUS_THICK_ARCHIVE=$OUT/multus-thick.tar
 EOE
 log "images in $OUT (names in $OUT/images.env)"

@@ -32,6 +32,9 @@ set -euo pipefail
 #   musl-tools                   musl-gcc: the static (musl) release build and the pause binary
 #   busybox-static               the test workload image
 #   binutils                     readelf: the node tests check the plugin is static
+# linux/arm64 (make release, the arm64 tests):
+#   gcc-aarch64-linux-gnu        cross C compiler and linker for aarch64-unknown-linux-musl (.cargo/config.toml)
+#   qemu-user-static             runs the arm64 binaries on this x86_64 machine in the tests
 PACKAGES=(
   openssl
   python3
@@ -53,6 +56,8 @@ PACKAGES=(
   musl-tools
   busybox-static
   binutils
+  gcc-aarch64-linux-gnu
+  qemu-user-static
 )
 
 if [[ "$(id -u)" != 0 ]]; then

@@ -13,6 +13,9 @@ trap cleanup EXIT
 
 e2e/cluster.sh up >/dev/null
 cargo build --bins
+# The release binaries of both platforms (target/image/{amd64,arm64}/): tests/e2e/arm64.rs runs
+# the arm64 ones under qemu and packages both in the multi-arch image.
+make --no-print-directory release >&2
 # Upstream's plugin (v0.9.2) for the mixed-fleet tests (tests/e2e/slices.rs).
 [[ -x bench/bin/whereabouts-upstream ]] || bench/build.sh --upstream-only
 # Tests run in parallel, each in its own namespace; two threads keep a 2-core machine responsive.

@@ -2,6 +2,7 @@
 //! Run with `make test` (or `cargo test --test e2e`); every test makes its own namespace.
 
 mod agent;
+mod arm64;
 mod audit;
 mod certs;
 mod claims;
