@@ -3,7 +3,8 @@
 #   etcd, kube-apiserver, kube-controller-manager, kubectl
 # and, for the real node of e2e/node.sh, kubelet, kube-scheduler, kube-proxy and crictl,
 # and, for the chart test e2e/helm-test.sh, helm,
-# and Multus's thin plugin (`multus`, the node's CNI) from the source archive in
+# and Multus's thin plugin (`multus`, the node's CNI) and its thick mode (`multus-daemon`,
+# `multus-shim`) from the source archive in
 # ../shared/vendor (WHEREABOUTS_E2E_MULTUS_SOURCE overrides; never copied into the repository),
 # from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod
 # and e2e/helm/go.mod.
@@ -39,7 +40,7 @@ module_of() {
     kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
     crictl) echo "$E2E_DIR/cri-tools" ;;
     helm) echo "$E2E_DIR/helm" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus)" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus, multus-daemon, multus-shim)" ;;
   esac
 }
 package_of() {
@@ -103,27 +104,29 @@ built() {
   log "$1: built in $(($(date +%s) - $3)) s -> $BIN_DIR/$1"
 }
 
+# build_multus NAME: multus (the thin plugin), multus-daemon or multus-shim (thick mode), each
+# from the same archive's ./cmd/NAME.
 build_multus() {
-  local want src start
+  local name="$1" want src start
   [[ -f "$MULTUS_SOURCE" ]] || die "Multus source $MULTUS_SOURCE missing (see ../shared/vendor/README.md)"
   [[ "$(sha256sum "$MULTUS_SOURCE" | cut -d' ' -f1)" == "$MULTUS_SHA256" ]] \
     || die "$MULTUS_SOURCE: sha256 is not $MULTUS_SHA256"
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "$MULTUS_SHA256"; } | sha256sum | cut -d' ' -f1)"
-  up_to_date multus "$want" && return 0
-  log "multus: building ./cmd/multus from $MULTUS_SOURCE (about 4 minutes)"
+  up_to_date "$name" "$want" && return 0
+  log "$name: building ./cmd/$name from $MULTUS_SOURCE (the first one about 4 minutes)"
   start=$(date +%s)
   src="$(mktemp -d)"
   tar -xzf "$MULTUS_SOURCE" -C "$src" --strip-components=1
-  if ! (cd "$src" && go build -mod=vendor -trimpath -ldflags="-s -w" -o "$BIN_DIR/multus.tmp" ./cmd/multus); then
-    rm -rf "$src" "$BIN_DIR/multus.tmp"
-    die "go build of multus failed"
+  if ! (cd "$src" && go build -mod=vendor -trimpath -ldflags="-s -w" -o "$BIN_DIR/$name.tmp" "./cmd/$name"); then
+    rm -rf "$src" "$BIN_DIR/$name.tmp"
+    die "go build of $name failed"
   fi
   rm -rf "$src"
-  built multus "$want" "$start"
+  built "$name" "$want" "$start"
 }
 
 build_one() {
-  [[ "$1" == multus ]] && { build_multus; return; }
+  [[ "$1" == multus* ]] && { build_multus "$1"; return; }
   local name="$1" mod_dir pkg ldflags want start
   mod_dir="$(module_of "$name")"
   pkg="$(package_of "$name")"

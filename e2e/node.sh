@@ -147,6 +147,10 @@ setup_host() {
   record "$CNI_BIN_DIR/whereabouts"
   record "$CNI_HOST_CONF_DIR/whereabouts.d"
 
+  # The root mount shared, as systemd makes it on every node at boot: pods that mount host paths
+  # with mountPropagation HostToContainer (Multus's thick daemon: the host's root and its network
+  # namespaces) are refused by the runtime otherwise ("not a shared or slave mount").
+  mount --make-rshared /
   # The node's address, on a bridge that has no port to any real network.
   ip link show "$POD_BRIDGE" >/dev/null 2>&1 || ip link add "$POD_BRIDGE" type bridge
   ip addr replace "$NODE_IP/22" dev "$POD_BRIDGE"
@@ -358,7 +362,8 @@ EOF
 import_images() {
   local a
   # Upstream v0.9.2's image too, when e2e/upstream-image.sh built it (migration tests).
-  for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE" ${UPSTREAM_ARCHIVE:+"$UPSTREAM_ARCHIVE"}; do
+  for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE" ${UPSTREAM_ARCHIVE:+"$UPSTREAM_ARCHIVE"} \
+    ${MULTUS_THICK_ARCHIVE:+"$MULTUS_THICK_ARCHIVE"}; do
     "${CTR[@]}" images import "$a" >/dev/null \
       || die "ctr images import $a failed"
   done
@@ -417,8 +422,11 @@ cmd_up() {
     command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
   done
   if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" != 1 ]]; then
-    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl multus || die "build failed (e2e/build.sh)"
+    "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl multus multus-daemon multus-shim || die "build failed (e2e/build.sh)"
     "$E2E_DIR/images.sh" "$IMAGES_DIR" || die "image build failed (e2e/images.sh)"
+    # Upstream v0.9.2's image, for the migration test (tests/node/migration.rs); rebuilt only
+    # when its inputs change.
+    "$E2E_DIR/upstream-image.sh" "$IMAGES_DIR" || die "image build failed (e2e/upstream-image.sh)"
   fi
   for tool in kubelet kube-scheduler kube-proxy crictl multus; do
     [[ -x "$BIN_DIR/$tool" ]] || die "$BIN_DIR/$tool missing (e2e/build.sh $tool)"
@@ -632,6 +640,9 @@ CONTAINERD_SOCKET=$SOCK
 WHEREABOUTS_IMAGE=$WHEREABOUTS_IMAGE
 PAUSE_IMAGE=$PAUSE_IMAGE
 BUSYBOX_IMAGE=$BUSYBOX_IMAGE
+UPSTREAM_IMAGE=${UPSTREAM_IMAGE:-}
+MULTUS_THICK_IMAGE=${MULTUS_THICK_IMAGE:-}
+IMAGES_DIR=$IMAGES_DIR
 EOF
 }
 

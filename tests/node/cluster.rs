@@ -400,20 +400,29 @@ spec:
         kubectl_ok(&["-n", &self.ns, "logs", pod, "-c", "main"])
     }
 
-    /// Warning events of the namespace with `reason`.
+    /// Events of the namespace with `reason`.
     pub fn events(&self, reason: &str) -> Vec<String> {
-        get_json(&["-n", &self.ns, "get", "events"])
-            .map(|l| {
-                l["items"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .filter(|e| e["reason"] == reason)
-                    .map(|e| format!("{}: {}", e["involvedObject"]["name"], e["message"]))
-                    .collect()
-            })
-            .unwrap_or_default()
+        events_in(&self.ns, reason)
     }
+}
+
+/// Events of namespace `ns` with `reason`, each as "OBJECT: MESSAGE".
+pub fn events_in(ns: &str, reason: &str) -> Vec<String> {
+    get_json(&["-n", ns, "get", "events"])
+        .map(|l| {
+            l["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["reason"] == reason)
+                .map(|e| {
+                    let object = e["involvedObject"]["name"].as_str().unwrap_or_default();
+                    let message = e["message"].as_str().unwrap_or_default();
+                    format!("{object}: {message}")
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 impl Drop for Workload {

@@ -15,6 +15,8 @@ mod cluster;
 mod faults;
 mod install;
 mod lifecycle;
+mod migration;
 mod multus;
+mod multus_thick;
 mod reinstall;
 mod workloads;

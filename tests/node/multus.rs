@@ -111,25 +111,30 @@ pub fn running(w: &Workload, name: &str) -> Value {
 
 #[test]
 fn a_pod_on_two_nads_holds_the_addresses_multus_reports_and_the_pools_record() {
-    let w = Workload::new("multus");
+    two_nads_agree(&Workload::new("multus"));
+}
+
+/// A pod `two-nads` of `w` on two NADs: what Multus reports on every interface is what the pod
+/// holds and what the pools record (shared by the thin and thick modes' tests).
+pub fn two_nads_agree(w: &Workload) {
     // Legacy `range` and dual-stack `ipRanges` on one macvlan interface; a bridge on a second
     // (this machine's kernel has no ipvlan).
     nad(
-        &w,
+        w,
         "mv-net",
         macvlan(json!({"type": "whereabouts", "range": "10.91.0.0/24",
             "ipRanges": [{"range": "10.92.0.0/24"}, {"range": "fd00:92::/120"}]})),
     );
     nad(
-        &w,
+        w,
         "br-net",
         bridge(json!({"type": "whereabouts", "range": "10.93.0.0/24"})),
     );
-    nad_pod(&w, "two-nads", "mv-net, br-net");
-    let pod = running(&w, "two-nads");
+    nad_pod(w, "two-nads", "mv-net, br-net");
+    let pod = running(w, "two-nads");
 
     let status = network_status(&pod);
-    let seen = logged(&w, "two-nads");
+    let seen = logged(w, "two-nads");
     let pools = pooled(&format!("{}/two-nads", w.ns));
     let mv = format!("{}/mv-net", w.ns);
     let br = format!("{}/br-net", w.ns);

@@ -15,12 +15,12 @@ use crate::cluster::{
 use crate::harness::repo;
 use crate::multus::pooled;
 
-const PLUGIN: &str = "/opt/cni/bin/whereabouts";
+pub const PLUGIN: &str = "/opt/cni/bin/whereabouts";
 const KUBECONFIG: &str = "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig";
 const CONF_DIR: &str = "/etc/cni/net.d/whereabouts.d";
 
 /// The README's "Uninstall", steps 2 to 4; `helm`: `helm uninstall` instead of config/uninstall.
-fn uninstall(helm: bool) {
+pub fn uninstall(helm: bool) {
     kubectl_ok(&[
         "delete",
         "validatingwebhookconfiguration",
@@ -68,7 +68,7 @@ fn uninstall(helm: bool) {
 }
 
 /// The README's "With Helm", with the image built here.
-fn helm_install() {
+pub fn helm_install() {
     let image = node().get("WHEREABOUTS_IMAGE");
     let (repository, tag) = image.rsplit_once(':').unwrap();
     run_helm(&[
@@ -88,7 +88,7 @@ fn helm_install() {
     pace_operator(node());
 }
 
-fn run_helm(args: &[&str]) {
+pub fn run_helm(args: &[&str]) {
     let out = Command::new(repo().join("e2e/bin/helm"))
         .args(args)
         .current_dir(repo())
@@ -104,7 +104,7 @@ fn run_helm(args: &[&str]) {
 }
 
 /// Every address `podref` holds, whichever interface.
-fn held(podref: &str) -> BTreeSet<String> {
+pub fn held(podref: &str) -> BTreeSet<String> {
     pooled(podref).into_values().flatten().collect()
 }
 
