@@ -406,6 +406,14 @@ spec:
     }
 }
 
+/// The operator's pods (none when it is not installed).
+pub fn operator_pods() -> Vec<Value> {
+    let selector = "app.kubernetes.io/name=whereabouts-operator";
+    get_json(&["-n", SYSTEM_NS, "get", "pods", "-l", selector])
+        .and_then(|l| l["items"].as_array().cloned())
+        .unwrap_or_default()
+}
+
 /// Events of namespace `ns` with `reason`, each as "OBJECT: MESSAGE".
 pub fn events_in(ns: &str, reason: &str) -> Vec<String> {
     get_json(&["-n", ns, "get", "events"])

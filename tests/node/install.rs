@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use serde_json::json;
 
 use crate::cluster::{
-    POOL_NAMESPACE, SYSTEM_NS, Workload, agent_log, check_pods_against_pools, get_json, is_ready,
-    kubectl, node, wait_until,
+    POOL_NAMESPACE, Workload, agent_log, check_pods_against_pools, get_json, is_ready, kubectl,
+    node, operator_pods, wait_until,
 };
 use crate::harness::repo;
 
@@ -80,20 +80,11 @@ fn the_daemonset_installs_a_static_plugin_and_its_files_on_the_host() {
 #[test]
 fn the_operator_runs_two_ready_replicas_and_one_leader() {
     node();
-    let pods = get_json(&[
-        "-n",
-        SYSTEM_NS,
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/name=whereabouts-operator",
-    ])
-    .unwrap();
-    let pods = pods["items"].as_array().unwrap();
+    let pods = operator_pods();
     assert_eq!(pods.len(), 2, "operator replicas");
     assert!(pods.iter().all(is_ready), "operator pods not all Ready");
     // Each operator pod's address came from our plugin on the node's pod network.
-    for p in pods {
+    for p in &pods {
         assert!(
             p["status"]["podIP"]
                 .as_str()

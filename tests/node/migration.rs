@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 
 use crate::cluster::{
     POD_POOL, SYSTEM_NS, Workload, check_pods_against_pools, events_in, get_json,
-    install_with_kustomize, is_ready, kubectl, kubectl_ok, node, pool_entries, wait_until,
+    install_with_kustomize, is_ready, kubectl, kubectl_ok, node, operator_pods, pool_entries,
+    wait_until,
 };
 use crate::harness::{operator_bin, repo};
 use crate::multus::{macvlan, nad, nad_pod, running};
@@ -176,16 +177,7 @@ fn validate_cluster() {
 /// The operator's samples of `metric` (labels -> value), from a ready replica's /metrics through
 /// the API server's pod proxy (every replica keeps these gauges).
 fn operator_samples(metric: &str) -> BTreeMap<String, f64> {
-    let pods = get_json(&[
-        "-n",
-        SYSTEM_NS,
-        "get",
-        "pods",
-        "-l",
-        "app.kubernetes.io/name=whereabouts-operator",
-    ]);
-    let items = pods.map(|p| p["items"].as_array().cloned().unwrap_or_default());
-    let Some(pod) = items.into_iter().flatten().find(is_ready) else {
+    let Some(pod) = operator_pods().into_iter().find(is_ready) else {
         return BTreeMap::new();
     };
     let name = pod["metadata"]["name"].as_str().unwrap();

@@ -202,7 +202,18 @@ fn uninstall_keeps_the_data_and_no_pod_stuck_then_helm_reinstalls_over_it() {
     uninstall(true);
     crds_kept();
     assert!(!Path::new(PLUGIN).exists(), "{PLUGIN} left");
-    assert!(!Path::new(CONF_DIR).exists(), "{CONF_DIR} left");
+    // What the installer wrote is gone. A flat file stays only for keys that are not the
+    // installer's (after tests/node/migration.rs: upstream's `datastore` and
+    // `reconciler_cron_expression`), and the folder with it.
+    assert!(!Path::new(KUBECONFIG).exists(), "{KUBECONFIG} left");
+    let flat = std::fs::read_to_string(format!("{CONF_DIR}/whereabouts.conf")).unwrap_or_default();
+    assert!(
+        !flat.contains("kubeconfig"),
+        "the installer's keys left: {flat}"
+    );
+    if flat.is_empty() {
+        assert!(!Path::new(CONF_DIR).exists(), "{CONF_DIR} left");
+    }
 
     // The standard install back, over the same CRDs, for the tests after this one.
     install_with_kustomize(node());
