@@ -228,6 +228,19 @@ fn try_any(files: &[Option<File>], from: usize) -> Option<usize> {
 mod tests {
     use super::*;
 
+    /// Waits until another thread holds the lock file `name` of `slots` (a lane's gate: held
+    /// while its taker waits), so a test orders its takers by state, not by sleeping.
+    fn held_by_another(slots: &PluginSlots, name: &str) {
+        let path = Path::new(&slots.dir).join(name);
+        for _ in 0..1000 {
+            if File::open(&path).is_ok_and(|f| release_waits(&f)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!("nobody took {} within 5 s", path.display());
+    }
+
     fn bound(dir: &Path, count: u32) -> PluginSlots {
         PluginSlots {
             count,
@@ -342,12 +355,12 @@ mod tests {
                 let slots = slots.clone();
                 std::thread::spawn(move || take(&slots, Lane::Common, Duration::from_millis(400)))
             };
-            std::thread::sleep(Duration::from_millis(30)); // the ADD polls at the gate
+            held_by_another(&slots, "gate"); // the ADD polls at the gate
             let del = {
                 let slots = slots.clone();
                 std::thread::spawn(move || take(&slots, Lane::Release, Duration::from_secs(5)))
             };
-            std::thread::sleep(Duration::from_millis(30)); // the release waits too
+            held_by_another(&slots, "release-gate"); // the release waits too
             drop(first);
             let del = del.join().unwrap().unwrap().unwrap();
             assert!(
