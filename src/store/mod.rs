@@ -229,12 +229,12 @@ impl StoreError {
         matches!(self, StoreError::Api { message, .. } if message.contains(TOO_LARGE))
     }
 
-    /// A short stable label for metrics and logs.
     /// The API server refused the credentials (401): no retry with them can succeed.
     pub fn is_unauthenticated(&self) -> bool {
         matches!(self, StoreError::Api { code: 401, .. })
     }
 
+    /// A short stable label for metrics and logs.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Api { code, .. } if *code == 403 || *code == 401 => "forbidden",
