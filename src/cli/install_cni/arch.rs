@@ -40,19 +40,19 @@ pub fn machine_name(machine: u16) -> String {
     }
 }
 
-/// The ELF machine this installer was built for.
+/// The ELF machine of this installer's own executable (the image's platform); `None` when it
+/// cannot be read.
 pub fn own_machine() -> Option<u16> {
-    match std::env::consts::ARCH {
-        "x86_64" => Some(0x3e),
-        "aarch64" => Some(0xb7),
-        "arm" => Some(0x28),
-        "x86" => Some(0x03),
-        "powerpc64" => Some(0x15),
-        "s390x" => Some(0x16),
-        "riscv64" => Some(0xf3),
-        "loongarch64" => Some(0x102),
-        _ => None,
-    }
+    header_machine(&std::env::current_exe().ok()?)
+}
+
+/// The ELF machine of the file at `path`, from its first bytes only.
+fn header_machine(path: &Path) -> Option<u16> {
+    let mut header = [0u8; 20];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .ok()?;
+    elf_machine(&header)
 }
 
 /// Refuses `plugin` (its bytes) when it is not an ELF of this installer's machine, or when the
@@ -102,11 +102,7 @@ fn node_machines(bin_dir: &Path, skip: &str) -> Vec<(String, u16)> {
             if name == skip || name.starts_with(super::TEMP_PREFIX) {
                 return None;
             }
-            let mut header = [0u8; 20];
-            std::fs::File::open(e.path())
-                .and_then(|mut f| f.read_exact(&mut header))
-                .ok()?;
-            Some((name, elf_machine(&header)?))
+            Some((name, header_machine(&e.path())?))
         })
         .collect();
     found.sort();
