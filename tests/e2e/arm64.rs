@@ -16,15 +16,19 @@ const QEMU: &str = "/usr/bin/qemu-aarch64-static";
 
 /// An arm64 release binary, checked to be one (ELF machine AArch64).
 fn arm64(name: &str) -> PathBuf {
+    use std::io::Read as _;
     let bin = repo().join("target/image/arm64").join(name);
-    let bytes = std::fs::read(&bin).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (make release, or e2e/run-tests.sh, builds it)",
-            bin.display()
-        )
-    });
+    let mut header = [0u8; 20];
+    std::fs::File::open(&bin)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (make release, or e2e/run-tests.sh, builds it)",
+                bin.display()
+            )
+        });
     assert!(
-        bytes.starts_with(b"\x7fELF") && bytes[18..20] == 0xb7u16.to_le_bytes(),
+        header.starts_with(b"\x7fELF") && header[18..20] == 0xb7u16.to_le_bytes(),
         "{} is not an AArch64 ELF",
         bin.display()
     );
@@ -48,7 +52,8 @@ fn plugin(dir: &Path) -> PathBuf {
     wrapper
 }
 
-fn run(ns: &Ns, command: &str, conf: &Value) -> Cni {
+/// `command` of the arm64 `plugin` (its wrapper) for pod vm0 of `ns`.
+fn run(plugin: &Path, ns: &Ns, command: &str, conf: &Value) -> Cni {
     let args = format!(
         "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME=vm0;K8S_POD_UID=uid-vm0",
         ns.name
@@ -62,17 +67,15 @@ fn run(ns: &Ns, command: &str, conf: &Value) -> Cni {
         args: &args,
         path: None,
     };
-    Cni::from(
-        call.spawn(plugin(ns.dir.path()))
-            .wait_with_output()
-            .unwrap(),
-    )
+    Cni::from(call.spawn(plugin.to_path_buf()).wait_with_output().unwrap())
 }
 
 #[test]
 fn the_arm64_plugin_allocates_checks_and_releases_under_emulation() {
     let ns = Ns::new("arm64");
-    let version = run(&ns, "VERSION", &json!({"cniVersion": "1.0.0"}));
+    let plugin = plugin(ns.dir.path());
+    let run = |command: &str, conf: &Value| run(&plugin, &ns, command, conf);
+    let version = run("VERSION", &json!({"cniVersion": "1.0.0"}));
     assert!(version.ok, "{version:?}");
     assert!(
         version.stdout["supportedVersions"]
@@ -82,7 +85,7 @@ fn the_arm64_plugin_allocates_checks_and_releases_under_emulation() {
     );
 
     let conf = ns.netconf("1.0.0", json!({"range": "10.93.0.0/24"}));
-    let add = run(&ns, "ADD", &conf);
+    let add = run("ADD", &conf);
     assert_eq!(add.addresses(), ["10.93.0.1/24"], "{add:?}");
     let entries = ns.allocations("10.93.0.0-24");
     let entry = &entries["1"];
@@ -91,14 +94,14 @@ fn the_arm64_plugin_allocates_checks_and_releases_under_emulation() {
 
     let mut check = conf.clone();
     check["prevResult"] = add.stdout.clone();
-    let checked = run(&ns, "CHECK", &check);
+    let checked = run("CHECK", &check);
     assert!(checked.ok, "{checked:?}");
 
-    let del = run(&ns, "DEL", &conf);
+    let del = run("DEL", &conf);
     assert!(del.ok, "{del:?}");
     assert!(ns.allocations("10.93.0.0-24").is_empty());
     // A CHECK of what was released now fails, as on any node.
-    assert!(!run(&ns, "CHECK", &check).ok);
+    assert!(!run("CHECK", &check).ok);
 }
 
 #[test]
