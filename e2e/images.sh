@@ -111,9 +111,9 @@ for applet in sh cp mv; do ln -s busybox "$ctx/rootfs/bin/$applet"; done
 # without the file it dereferences a nil user and panics.
 mkdir -p "$ctx/rootfs/etc" "$ctx/rootfs/var"
 echo 'root:x:0:0:root:/root:/bin/sh' > "$ctx/rootfs/etc/passwd"
+echo 'root:x:0:' > "$ctx/rootfs/etc/group"
 # The runtime names network namespaces by /var/run/netns/...: /var/run is /run, as in a distro.
 ln -s ../run "$ctx/rootfs/var/run"
-echo 'root:x:0:' > "$ctx/rootfs/etc/group"
 cat > "$ctx/Containerfile" <<'EOC'
 FROM scratch
 COPY rootfs/ /

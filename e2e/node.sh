@@ -361,7 +361,7 @@ EOF
 
 import_images() {
   local a
-  # Upstream v0.9.2's image too, when e2e/upstream-image.sh built it (migration tests).
+  # Upstream v0.9.2's image (migration test) and Multus's thick mode (its test), when built.
   for a in "$PAUSE_ARCHIVE" "$BUSYBOX_ARCHIVE" "$WHEREABOUTS_ARCHIVE" ${UPSTREAM_ARCHIVE:+"$UPSTREAM_ARCHIVE"} \
     ${MULTUS_THICK_ARCHIVE:+"$MULTUS_THICK_ARCHIVE"}; do
     "${CTR[@]}" images import "$a" >/dev/null \

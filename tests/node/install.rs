@@ -3,7 +3,7 @@
 //! and the plugin itself, static, answering in an empty root.
 
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::json;
@@ -13,6 +13,14 @@ use crate::cluster::{
     node, operator_pods, wait_until,
 };
 use crate::harness::repo;
+
+/// The release binary `name` the node's image was built from (e2e/images.sh builds the image
+/// from these).
+pub fn release_binary(name: &str) -> PathBuf {
+    repo()
+        .join("target/x86_64-unknown-linux-musl/release")
+        .join(name)
+}
 
 /// `readelf` of `path`: (has an interpreter, its NEEDED libraries).
 fn linkage(path: &Path) -> (bool, Vec<String>) {
@@ -65,15 +73,13 @@ fn the_daemonset_installs_a_static_plugin_and_its_files_on_the_host() {
     assert!(needed.is_empty(), "the installed plugin needs {needed:?}");
     // The image's binaries, as built by the release path, are the same kind.
     for bin in ["whereabouts", "whereabouts-operator"] {
-        let path = repo()
-            .join("target/x86_64-unknown-linux-musl/release")
-            .join(bin);
+        let path = release_binary(bin);
         assert_eq!(linkage(&path), (false, vec![]), "{}", path.display());
     }
     // What the DaemonSet installed is byte for byte the image's plugin.
     assert_eq!(
         std::fs::read(plugin).unwrap(),
-        std::fs::read(repo().join("target/x86_64-unknown-linux-musl/release/whereabouts")).unwrap()
+        std::fs::read(release_binary("whereabouts")).unwrap()
     );
 }
 
@@ -241,11 +247,7 @@ fn the_plugin_runs_in_an_empty_root() {
     let node = node();
     let root = tempfile::tempdir().unwrap();
     let bin = root.path().join("whereabouts");
-    std::fs::copy(
-        repo().join("target/x86_64-unknown-linux-musl/release/whereabouts"),
-        &bin,
-    )
-    .unwrap();
+    std::fs::copy(release_binary("whereabouts"), &bin).unwrap();
     std::fs::copy(&node.kubeconfig, root.path().join("kubeconfig")).unwrap();
     std::fs::write(
         root.path().join("whereabouts.conf"),

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::{Value, json};
@@ -19,6 +19,7 @@ use crate::cluster::{
     wait_until,
 };
 use crate::harness::{operator_bin, repo};
+use crate::install::release_binary;
 use crate::multus::{macvlan, nad, nad_pod, running};
 use crate::reinstall::{PLUGIN, held, helm_install, uninstall};
 
@@ -87,17 +88,12 @@ fn remove_upstream() {
     );
 }
 
-/// The plugin our image installs: the release binary the image was built from (e2e/images.sh).
-fn our_plugin() -> PathBuf {
-    repo().join("target/x86_64-unknown-linux-musl/release/whereabouts")
-}
-
 /// The plugin upstream's image installs (e2e/upstream-image.sh keeps its build context).
 fn upstream_plugin() -> PathBuf {
     PathBuf::from(node().get("IMAGES_DIR")).join("ctx-upstream/rootfs/whereabouts")
 }
 
-fn host_plugin_is(want: &PathBuf) -> Result<(), String> {
+fn host_plugin_is(want: &Path) -> Result<(), String> {
     let host = std::fs::read(PLUGIN).map_err(|e| format!("{PLUGIN}: {e}"))?;
     let want_bytes = std::fs::read(want).unwrap_or_else(|e| panic!("{}: {e}", want.display()));
     (host == want_bytes)
@@ -108,11 +104,7 @@ fn host_plugin_is(want: &PathBuf) -> Result<(), String> {
 /// Our release binaries are those of the node's image (its tag is their digest, e2e/images.sh):
 /// otherwise "the host's plugin is ours" could not be told from the bytes.
 fn our_plugin_is_the_images() {
-    let bins = ["whereabouts", "whereabouts-operator"].map(|b| {
-        repo()
-            .join("target/x86_64-unknown-linux-musl/release")
-            .join(b)
-    });
+    let bins = ["whereabouts", "whereabouts-operator"].map(release_binary);
     let mut bytes = vec![];
     for f in bins.iter().chain([&repo().join("Dockerfile")]) {
         bytes.extend(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
@@ -319,30 +311,25 @@ fn consistent(w: &Workload) {
     every_pod_address_recorded();
 }
 
-/// Our operator, installed next to upstream, reports upstream's DaemonSet and controller.
-fn operator_sees_upstream() {
+/// Waits until the operator reports upstream's DaemonSet and controller at `want` (1: they
+/// exist, 0: they are gone).
+fn upstream_reported(want: f64) {
     for name in ["whereabouts", "whereabouts-controller"] {
         wait_gauge(
             "whereabouts_upstream_components",
             &format!("name=\"{name}\""),
-            |v| v == 1.0,
+            |v| v == want,
         );
     }
 }
 
 /// After step 4: nothing of upstream's is reported, and the host's plugin is ours.
 fn upstream_gone() {
-    for name in ["whereabouts", "whereabouts-controller"] {
-        wait_gauge(
-            "whereabouts_upstream_components",
-            &format!("name=\"{name}\""),
-            |v| v == 0.0,
-        );
-    }
+    upstream_reported(0.0);
     assert_eq!(audit_kinds(), BTreeSet::new(), "audit after the switch");
     // The installer rewrites the host's files every 30 s.
     wait_until(60, "our plugin on the host", || {
-        host_plugin_is(&our_plugin())
+        host_plugin_is(&release_binary("whereabouts"))
     });
 }
 
@@ -373,7 +360,7 @@ fn upstream_is_replaced_in_place_rolled_back_and_replaced_again_with_helm() {
     // Steps 2 and 3: our CRDs, then our install next to upstream's.
     kubectl_ok(&["apply", "-k", repo().join("config/crd").to_str().unwrap()]);
     install_with_kustomize(node());
-    operator_sees_upstream();
+    upstream_reported(1.0);
     wait_events(
         UPSTREAM_NS,
         "UpstreamComponentRunning",
@@ -410,7 +397,7 @@ fn upstream_is_replaced_in_place_rolled_back_and_replaced_again_with_helm() {
     let crds = repo().join("charts/whereabouts/crds");
     kubectl_ok(&["apply", "-f", crds.to_str().unwrap()]);
     wait_gauge("whereabouts_crd_fields_missing", CRD_IPPOOLS, |v| v == 0.0);
-    operator_sees_upstream();
+    upstream_reported(1.0);
     remove_upstream();
     upstream_gone();
     kept(&rolled);
