@@ -86,9 +86,14 @@ fn the_daemonset_installs_a_static_plugin_and_its_files_on_the_host() {
 #[test]
 fn the_operator_runs_two_ready_replicas_and_one_leader() {
     node();
-    let pods = operator_pods();
-    assert_eq!(pods.len(), 2, "operator replicas");
-    assert!(pods.iter().all(is_ready), "operator pods not all Ready");
+    // Right after an install the pace's rollout may still be ending an old replica.
+    let mut pods = vec![];
+    wait_until(120, "two Ready operator replicas", || {
+        pods = operator_pods();
+        (pods.len() == 2 && pods.iter().all(is_ready))
+            .then_some(())
+            .ok_or_else(|| format!("{} pods: {}", pods.len(), crate::cluster::summary(&pods)))
+    });
     // Each operator pod's address came from our plugin on the node's pod network.
     for p in &pods {
         assert!(
