@@ -1,89 +1,19 @@
 //! The CNI handlers over the in-memory store: the allocation rules without a cluster.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use serde_json::{Value, json};
 use whereabouts::alloc::Allocate;
 use whereabouts::alloc::Target;
-use whereabouts::cni::protocol::{CniError, Code, Command};
-use whereabouts::cni::{FlatSource, Invocation, Request};
+use whereabouts::cni::protocol::{Code, Command};
+use whereabouts::cni::{FlatSource, Invocation};
 use whereabouts::crd::IPAllocation;
 use whereabouts::store::Datastore;
 use whereabouts::store::memory::MemoryStore;
 
-fn request(command: Command, ipam: Value, container: &str, pod: &str) -> Result<Request, CniError> {
-    let conf = json!({"cniVersion": "1.0.0", "name": "net", "type": "macvlan", "ipam": ipam});
-    request_conf(command, conf, container, pod)
-}
-
-fn request_conf(
-    command: Command,
-    conf: Value,
-    container: &str,
-    pod: &str,
-) -> Result<Request, CniError> {
-    request_on("node-a", command, conf, container, pod)
-}
-
-/// A request of the runtime of node `node`.
-fn request_on(
-    node: &str,
-    command: Command,
-    conf: Value,
-    container: &str,
-    pod: &str,
-) -> Result<Request, CniError> {
-    let stdin = conf.to_string();
-    let vars: HashMap<&str, String> = HashMap::from([
-        ("NODENAME", node.to_owned()),
-        ("CNI_CONTAINERID", container.to_owned()),
-        ("CNI_IFNAME", "net1".to_owned()),
-        (
-            "CNI_ARGS",
-            format!(
-                "IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}"
-            ),
-        ),
-    ]);
-    let env = move |k: &str| vars.get(k).cloned();
-    Invocation::read(&env, &stdin, FlatSource::Paths(vec![])).load(command)
-}
-
-/// The library's handler, with the reply as the JSON the plugin prints.
-async fn handle<S: Datastore>(store: &S, req: &Request) -> Result<Option<Value>, CniError> {
-    let reply = whereabouts::cni::handle(store, req).await?;
-    Ok(reply.map(|r| r.to_value()))
-}
-
-/// [`handle`] with addresses claimed by `alloc` (the node agent's batcher).
-async fn handle_with<S: Datastore, A: Allocate<S>>(
-    store: &S,
-    alloc: &A,
-    req: &Request,
-) -> Result<Option<Value>, CniError> {
-    let reply = whereabouts::cni::handle_with(store, alloc, req).await?;
-    Ok(reply.map(|r| r.to_value()))
-}
-
-async fn run(
-    store: &MemoryStore,
-    command: Command,
-    ipam: &Value,
-    container: &str,
-    pod: &str,
-) -> Result<Option<Value>, CniError> {
-    handle(store, &request(command, ipam.clone(), container, pod)?).await
-}
-
-fn addresses(result: &Value) -> Vec<String> {
-    result["ips"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ip| ip["address"].as_str().unwrap().to_owned())
-        .collect()
-}
+mod cni_support;
+use cni_support::*;
 
 /// `n` ADDs of pods p0.. (containers c0..) at once; every one must succeed with an address no
 /// other got. Returns the addresses.
@@ -1295,61 +1225,6 @@ async fn groups_of_many_agents_fill_a_range_exactly() {
     }
     assert_eq!(seen.len(), 1000);
     eprintln!("{:?} for 1000 in 10 groups", started.elapsed());
-}
-
-/// Issue 25: the API server's watch cache lags, and the claims lists, cached pool reads and
-/// release announcements come from it. With a store whose cached reads answer from a state a few
-/// calls old: pods attached, half of them detached and new ones attached at the same time, by
-/// plugins alone and through an agent. No address twice, every live attachment recorded and
-/// claimed, nothing of a detached one left.
-#[tokio::test]
-async fn churn_with_a_lagging_cache_never_duplicates_or_leaks() {
-    use whereabouts::agent::batch::Batcher;
-    let store = Arc::new(MemoryStore::new().interleaved().lagging());
-    let batcher = Arc::new(Batcher::new(store.clone(), Arc::default()));
-    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/25"});
-    let call = |command: Command, i: usize| {
-        let (store, batcher, ipam) = (store.clone(), batcher.clone(), ipam.clone());
-        tokio::spawn(async move {
-            let req = request(command, ipam, &format!("c{i}"), &format!("p{i}")).unwrap();
-            let out = if i.is_multiple_of(3) {
-                handle(&*store, &req).await
-            } else {
-                handle_with(&*store, &*batcher, &req).await
-            };
-            out.unwrap().map(|v| addresses(&v)[0].clone())
-        })
-    };
-    for t in (0..60).map(|i| call(Command::Add, i)).collect::<Vec<_>>() {
-        t.await.unwrap().expect("an address");
-    }
-    let mut churn: Vec<_> = (0..30).map(|i| call(Command::Del, i * 2)).collect();
-    churn.extend((60..100).map(|i| call(Command::Add, i)));
-    for t in churn {
-        t.await.unwrap();
-    }
-    let live: BTreeSet<String> = (0..100)
-        .filter(|i| *i >= 60 || i % 2 == 1)
-        .map(|i| format!("ns/p{i}"))
-        .collect();
-    let pool = store.get_pool("10.0.0.0-25").await.unwrap().unwrap();
-    let held: BTreeSet<String> = pool
-        .allocations
-        .values()
-        .map(|e| e.podref.clone())
-        .collect();
-    assert_eq!(pool.allocations.len(), live.len(), "one entry per live pod");
-    assert_eq!(held, live);
-    let claims: BTreeSet<String> = store.reservation_names().into_iter().collect();
-    let recorded: BTreeSet<String> = pool
-        .allocations
-        .keys()
-        .map(|o| format!("10.0.0.{o}"))
-        .collect();
-    assert_eq!(
-        claims, recorded,
-        "every entry claimed, no claim without an entry"
-    );
 }
 
 /// An ADD cut off between its claim and its record (its plugin or the agent killed) leaves a

@@ -33,6 +33,9 @@ struct Progress {
     /// An address lost without reading it back: a race if the winner claimed it for this pool,
     /// else a steady reservation of an overlapping range.
     unverified: Option<u128>,
+    /// Set once the pool showed an entry this attachment holds: from then on the pool is read
+    /// consistently, never from the cache or an earlier snapshot.
+    confirm: bool,
 }
 
 impl Progress {
@@ -81,10 +84,20 @@ impl<S: Datastore> Engine<'_, S> {
                 });
             }
             let pool = match progress.snapshot.take() {
-                Some(pool) => pool,
-                None => self.ensure_pool(conflicts == 0).await?,
+                Some(pool) if !progress.confirm => pool,
+                _ => {
+                    self.ensure_pool(conflicts == 0 && !progress.confirm)
+                        .await?
+                }
             };
             if let Some((offset, entry)) = who.held_entry(&pool) {
+                if !progress.confirm {
+                    // Seen in the API server's cache, the entry may be one a DEL has just
+                    // removed, and reusing an entry of the same container writes nothing: the
+                    // ADD would hand out an address no entry records. Read it consistently.
+                    progress.confirm = true;
+                    continue;
+                }
                 match self.reuse(&pool, offset, entry, who).await? {
                     Some(ip) => return Ok(Allocated { ip, conflicts }),
                     None => progress.conflicts += 1,
