@@ -7,7 +7,8 @@
 #   3. helm template compared object by object (apiVersion/kind/namespace/name) with
 #      kubectl kustomize, ignoring only the chart's own labels (e2e/helm_compare.py):
 #      the defaults; namespace.create; certManager + monitoring in another namespace;
-#      every other value at once (pool namespace, agent off, image, replicas, scheduling, resources).
+#      every other value at once (pool namespace, agent off, image, replicas, scheduling, resources);
+#      each distribution's CNI folders (values node.cniBinDir/cniConfDir = config/components/layout-*).
 # helm and kubectl are built into e2e/bin by e2e/build.sh (skipped when up to date;
 # WHEREABOUTS_E2E_SKIP_BUILD=1 uses e2e/bin as is). No cluster is needed.
 # Ends with "N passed, N failed".
@@ -165,6 +166,28 @@ check "node.seLinuxOptions=null = config/components/no-selinux" \
   compare no-selinux no-selinux.chart.yaml --expect "$work/no-selinux.yaml" --drop-kind Namespace
 no_selinux_type() { ! grep -q 'seLinuxOptions' "$work/no-selinux.yaml"; }
 check "the no-selinux component removes the type" no_selinux_type
+
+# Each distribution's CNI folders: the chart's two values and kustomize's component render the
+# same DaemonSet, and that DaemonSet names the layout's folders in all five places (installer
+# flags, its two mounts, the agent's kubeconfig, the two hostPaths) and the defaults in none.
+layout() { # NAME BIN CONF
+  local name="$1" bin="$2" conf="$3" out="$work/layout-$1.yaml"
+  "$KUBECTL" kustomize "e2e/kustomize/layout-$name" >"$out" || return 1
+  render "layout-$name.chart.yaml" whereabouts-system --set "node.cniBinDir=$bin,node.cniConfDir=$conf"
+  compare "layout-$name" "layout-$name.chart.yaml" --expect "$out" --drop-kind Namespace || return 1
+  local want
+  for want in "--cni-bin-dir=$bin" "--cni-conf-dir=$conf" "mountPath: /host$bin" "mountPath: /host$conf" \
+      "--serves-kubeconfig=$conf/whereabouts.d/whereabouts.kubeconfig" "path: $bin" "path: $conf"; do
+    grep -qF -- "$want" "$out" || { echo "layout $name: no '$want' in the DaemonSet" >&2; return 1; }
+  done
+  if [[ "$bin" != /opt/cni/bin ]] && grep -qE -- '[ =]/opt/cni/bin$' "$out"; then
+    echo "layout $name: /opt/cni/bin is still named" >&2; return 1
+  fi
+}
+check "layout openshift" layout openshift /var/lib/cni/bin /etc/kubernetes/cni/net.d
+check "layout k3s" layout k3s /var/lib/rancher/k3s/data/cni /var/lib/rancher/k3s/agent/etc/cni/net.d
+check "layout microk8s" layout microk8s /var/snap/microk8s/current/opt/cni/bin /var/snap/microk8s/current/args/cni-network
+check "layout gke" layout gke /home/kubernetes/bin /etc/cni/net.d
 
 # The comparison itself must catch a difference (a test that cannot fail proves nothing).
 sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"

@@ -10,10 +10,14 @@ use serde_json::{Map, Value};
 
 use super::problem::Problem;
 
-pub const WELL_KNOWN_PATHS: [&str; 3] = [
+/// Upstream's three, then the CNI config folders of k3s and MicroK8s (where the installer writes
+/// with the chart's or kustomize's layout for them; OpenShift's is the first).
+pub const WELL_KNOWN_PATHS: [&str; 5] = [
     "/etc/kubernetes/cni/net.d/whereabouts.d/whereabouts.conf",
     "/etc/cni/net.d/whereabouts.d/whereabouts.conf",
     "/host/etc/cni/net.d/whereabouts.d/whereabouts.conf",
+    "/var/lib/rancher/k3s/agent/etc/cni/net.d/whereabouts.d/whereabouts.conf",
+    "/var/snap/microk8s/current/args/cni-network/whereabouts.d/whereabouts.conf",
 ];
 
 /// Keys the flat file may never supply.

@@ -307,10 +307,15 @@ mod tests {
             d.holding(inside),
             Some(Path::new("/etc/cni/net.d/whereabouts.d"))
         );
-        assert!(
-            d.holding("/etc/kubernetes/cni/net.d/whereabouts.d/k")
-                .is_some()
-        );
+        // OpenShift's, k3s's and MicroK8s's config folders (the chart's and kustomize's layouts).
+        for layout in [
+            "/etc/kubernetes/cni/net.d",
+            "/var/lib/rancher/k3s/agent/etc/cni/net.d",
+            "/var/snap/microk8s/current/args/cni-network",
+        ] {
+            let file = format!("{layout}/whereabouts.d/whereabouts.kubeconfig");
+            assert!(d.holding(&file).is_some(), "{file}");
+        }
         for outside in [
             "/etc/cni/net.d/whereabouts.d",
             "/etc/cni/net.d/whereabouts.d/",
