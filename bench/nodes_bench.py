@@ -297,7 +297,9 @@ class Mode:
         docs = [d for d in yaml.safe_load_all((rbac / "node.yaml").read_text()) if d]
         items = []
         for d in docs:
-            if d["kind"] in ("Role", "RoleBinding"):
+            # The pool namespace's Role and binding move to this run's namespace; the ones of the
+            # DaemonSet's own namespace (the same names) stay where they are.
+            if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["namespace"] == "kube-system":
                 d["metadata"]["namespace"] = self.ns
                 if d["kind"] == "Role" and self.args.identity == "node-no-leases":
                     d["rules"] = [r for r in d["rules"]

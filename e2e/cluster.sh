@@ -215,10 +215,34 @@ start_etcd() {
     etcd_healthy
 }
 
+# The ResourceQuota admission plugin limits the critical priority classes as GKE's API servers
+# do (`limitedResources`): a pod of system-node-critical or system-cluster-critical is refused in
+# a namespace with no quota covering its class. So every test runs where the node DaemonSet needs
+# its quota (config/cni/critical-quota.yaml) outside kube-system.
+write_admission_config() {
+  cat > "$STATE_DIR/admission.yaml" <<'EOF'
+apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+  - name: ResourceQuota
+    configuration:
+      apiVersion: apiserver.config.k8s.io/v1
+      kind: ResourceQuotaConfiguration
+      limitedResources:
+        - resource: pods
+          matchScopes:
+            - scopeName: PriorityClass
+              operator: In
+              values: ["system-node-critical", "system-cluster-critical"]
+EOF
+}
+
 start_kube_apiserver() {
   # kube-apiserver. Admission plugins: the default set (it includes
   # NamespaceLifecycle, ServiceAccount, MutatingAdmissionWebhook,
-  # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...).
+  # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...), with the
+  # ResourceQuota configuration above.
+  write_admission_config
   # --advertise-address: there is no non-loopback interface to guess from.
   # --endpoint-reconciler-type=none: loopback is not a valid Endpoints
   #   address, and nothing here routes to the `kubernetes` service anyway.
@@ -250,6 +274,7 @@ start_kube_apiserver() {
     --proxy-client-key-file="$PKI/front-proxy-client.key" \
     --endpoint-reconciler-type=none \
     --allow-privileged=true \
+    --admission-control-config-file="$STATE_DIR/admission.yaml" \
     --enable-aggregator-routing=true \
     --kubelet-preferred-address-types=InternalIP \
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \

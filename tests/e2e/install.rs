@@ -358,3 +358,55 @@ fn install_cni_into_a_temporary_host_root() {
     );
     assert_eq!(mode(&kubeconfig), 0o600);
 }
+
+/// Where the API server's ResourceQuota admission limits the critical priority classes (GKE's
+/// default; e2e/cluster.sh configures it the same way), a pod of `system-node-critical` outside
+/// kube-system is refused unless a quota covers its class. The node DaemonSet's quota
+/// (`config/cni/critical-quota.yaml`, in the chart too) is that quota.
+#[test]
+fn the_node_pods_quota_admits_system_node_critical_where_the_class_is_limited() {
+    let ns = Ns::new("quota");
+    let pod = format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: critical, namespace: {}}}\nspec:\n  priorityClassName: system-node-critical\n  containers: [{{name: c, image: whereabouts:0.1.0}}]\n",
+        ns.name
+    );
+    let refused = ns.apply(&pod);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "admitted with no quota");
+    assert!(
+        err.contains("insufficient quota to match these scopes"),
+        "{err}"
+    );
+
+    let quota = std::fs::read_to_string(repo().join("config/cni/critical-quota.yaml"))
+        .unwrap()
+        .replace(
+            "namespace: whereabouts-system",
+            &format!("namespace: {}", ns.name),
+        );
+    let out = ns.apply(&quota);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The quota admits pods once the quota controller has filled in its status.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let out = ns.apply(&pod);
+        if out.status.success() {
+            break;
+        }
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(std::time::Instant::now() < deadline, "still refused: {err}");
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let used = ns.kubectl_ok(&[
+        "get",
+        "resourcequota",
+        "whereabouts-critical-pods",
+        "-o",
+        "jsonpath={.spec.scopeSelector.matchExpressions[0].values[0]}",
+    ]);
+    assert_eq!(used, "system-node-critical");
+}
