@@ -173,7 +173,14 @@ mod tests {
             candidates(Some(Path::new("/x")))[0],
             PathBuf::from("/x/whereabouts.conf")
         );
-        assert_eq!(candidates(None).len(), 3);
+        // Upstream's three first, in upstream's order, then k3s's and MicroK8s's.
+        let paths = candidates(None);
+        assert_eq!(paths.len(), 5);
+        assert_eq!(
+            paths[1],
+            PathBuf::from("/etc/cni/net.d/whereabouts.d/whereabouts.conf")
+        );
+        assert!(paths[3].starts_with("/var/lib/rancher/k3s/agent/etc/cni/net.d"));
     }
 
     /// `configuration_path` is the NAD author's: a device, a FIFO or a huge file is a problem
