@@ -189,6 +189,20 @@ check "layout k3s" layout k3s /var/lib/rancher/k3s/data/cni /var/lib/rancher/k3s
 check "layout microk8s" layout microk8s /var/snap/microk8s/current/opt/cni/bin /var/snap/microk8s/current/args/cni-network
 check "layout gke" layout gke /home/kubernetes/bin /etc/cni/net.d
 
+# A folder that is not a clean absolute path is refused at render time, naming the value and its key.
+refuses_bad_folders() {
+  local key bad out
+  for key in cniBinDir cniConfDir; do
+    for bad in opt/cni/bin /etc/cni/net.d/ /etc/../tmp /a//b ""; do
+      if out="$("$HELM" template whereabouts "$CHART" --set "node.$key=$bad" 2>&1)"; then
+        echo "node.$key=$bad rendered" >&2; return 1
+      fi
+      grep -qF "node.$key \"$bad\" is not a clean absolute path" <<<"$out" || { echo "$out" >&2; return 1; }
+    done
+  done
+}
+check "node.cniBinDir/cniConfDir: bad folders are refused, naming them" refuses_bad_folders
+
 # The comparison itself must catch a difference (a test that cannot fail proves nothing).
 sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"
 catches_drift() {

@@ -55,7 +55,8 @@ pub struct InstallCniArgs {
         long,
         env = "WHEREABOUTS_CNI_BIN_DIR",
         default_value = "/opt/cni/bin",
-        value_name = "DIR"
+        value_name = "DIR",
+        value_parser = parse_host_dir
     )]
     pub cni_bin_dir: PathBuf,
     /// The host's CNI config dir (as seen from the host); files go to its `whereabouts.d/`.
@@ -63,7 +64,8 @@ pub struct InstallCniArgs {
         long,
         env = "WHEREABOUTS_CNI_CONF_DIR",
         default_value = "/etc/cni/net.d",
-        value_name = "DIR"
+        value_name = "DIR",
+        value_parser = parse_host_dir
     )]
     pub cni_conf_dir: PathBuf,
     /// The CNI plugin to install (default: `whereabouts` next to this executable).
@@ -123,6 +125,19 @@ pub struct InstallCniArgs {
 }
 
 /// A node name, checked to be usable in the object names of node slices' pools.
+/// A host folder (--cni-bin-dir, --cni-conf-dir): a clean absolute path. A relative one would be
+/// written into the flat file as the kubeconfig's path, which the plugin resolves from wherever
+/// the runtime runs it; `..` would leave --host-root.
+fn parse_host_dir(text: &str) -> Result<PathBuf, String> {
+    if crate::config::trust::is_clean_absolute(text) {
+        Ok(PathBuf::from(text))
+    } else {
+        Err(format!(
+            "{text:?} is not a clean absolute path (as the host sees it, with no `.`, `..`, `//` or trailing `/`)"
+        ))
+    }
+}
+
 fn parse_node_name(text: &str) -> Result<String, String> {
     match crate::ipam::naming::object_name_problem(text) {
         None => Ok(text.to_owned()),

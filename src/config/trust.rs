@@ -93,7 +93,7 @@ impl TrustedDirs {
 
 /// True for `/a/b`: absolute, and written the way [`Path::components`] would write it again (so
 /// no `.`, `..`, `//` or trailing `/` can make the text say one place and the kernel another).
-fn is_clean_absolute(path: &str) -> bool {
+pub fn is_clean_absolute(path: &str) -> bool {
     let p = Path::new(path);
     p.is_absolute()
         && p.components()

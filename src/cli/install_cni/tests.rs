@@ -70,3 +70,33 @@ fn targets_are_under_the_host_root() {
         Path::new("/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig")
     );
 }
+
+/// The host folders are clean absolute paths; anything else is refused naming the flag and the
+/// value (the chart refuses the same values before anything is applied).
+#[test]
+fn host_folders_must_be_clean_absolute_paths() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: InstallCniArgs,
+    }
+    use clap::Parser as _;
+    let ok = Cli::try_parse_from(["i", "--cni-bin-dir=/var/lib/rancher/k3s/data/cni"]).unwrap();
+    assert_eq!(
+        ok.args.cni_bin_dir,
+        Path::new("/var/lib/rancher/k3s/data/cni")
+    );
+    for (flag, bad) in [
+        ("--cni-bin-dir", "opt/cni/bin"),
+        ("--cni-conf-dir", "/etc/cni/net.d/"),
+        ("--cni-conf-dir", "/etc/../tmp"),
+        ("--cni-bin-dir", ""),
+    ] {
+        let e = Cli::try_parse_from(["i", &format!("{flag}={bad}")])
+            .err()
+            .unwrap_or_else(|| panic!("{flag}={bad} accepted"))
+            .to_string();
+        assert!(e.contains(flag) && e.contains(&format!("{bad:?}")), "{e}");
+        assert!(e.contains("not a clean absolute path"), "{e}");
+    }
+}
