@@ -391,16 +391,13 @@ fn the_node_pods_quota_admits_system_node_critical_where_the_class_is_limited() 
         String::from_utf8_lossy(&out.stderr)
     );
     // The quota admits pods once the quota controller has filled in its status.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
+    let mut last = String::new();
+    let admitted = eventually(30, || {
         let out = ns.apply(&pod);
-        if out.status.success() {
-            break;
-        }
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(std::time::Instant::now() < deadline, "still refused: {err}");
-        std::thread::sleep(std::time::Duration::from_millis(500));
-    }
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        out.status.success()
+    });
+    assert!(admitted, "still refused: {last}");
     let used = ns.kubectl_ok(&[
         "get",
         "resourcequota",
