@@ -11,6 +11,9 @@ use whereabouts::crd::{IPAMClaim, IPAMClaimSpec};
 use whereabouts::store::memory::MemoryStore;
 use whereabouts::store::{Datastore, PodFacts};
 
+mod cni_support;
+use cni_support::{addresses, handle};
+
 /// One invocation: `extra` is merged into the network config's top level.
 fn request(
     command: Command,
@@ -45,16 +48,7 @@ async fn add_with(
     c: &str,
 ) -> Result<Vec<String>, CniError> {
     let req = request(Command::Add, ipam, extra, pod, c)?;
-    let reply = whereabouts::cni::handle(store, &req)
-        .await?
-        .unwrap()
-        .to_value();
-    Ok(reply["ips"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ip| ip["address"].as_str().unwrap().to_owned())
-        .collect())
+    Ok(addresses(&handle(store, &req).await?.unwrap()))
 }
 
 async fn add(
@@ -219,18 +213,8 @@ async fn with_requested_addresses_cni_args_ip_is_ignored() {
     let req = Invocation::read(&env, &conf.to_string(), FlatSource::Paths(vec![]))
         .load(Command::Add)
         .unwrap();
-    let reply = whereabouts::cni::handle(&store, &req)
-        .await
-        .unwrap()
-        .unwrap()
-        .to_value();
-    let got: Vec<&str> = reply["ips"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["address"].as_str().unwrap())
-        .collect();
-    assert_eq!(got, ["10.0.0.4/29"]);
+    let reply = handle(&store, &req).await.unwrap().unwrap();
+    assert_eq!(addresses(&reply), ["10.0.0.4/29"]);
 }
 
 fn sticky() -> Value {

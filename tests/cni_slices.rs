@@ -13,6 +13,9 @@ use whereabouts::crd::{
 use whereabouts::store::Datastore;
 use whereabouts::store::memory::MemoryStore;
 
+mod cni_support;
+use cni_support::{addresses, handle};
+
 fn request(
     command: Command,
     ipam: &Value,
@@ -40,16 +43,7 @@ async fn add(
     c: &str,
 ) -> Result<Vec<String>, CniError> {
     let req = request(Command::Add, ipam, node, c)?;
-    let reply = whereabouts::cni::handle(store, &req)
-        .await?
-        .unwrap()
-        .to_value();
-    Ok(reply["ips"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ip| ip["address"].as_str().unwrap().to_owned())
-        .collect())
+    Ok(addresses(&handle(store, &req).await?.unwrap()))
 }
 
 async fn del(store: &MemoryStore, ipam: &Value, node: &str, c: &str) -> Result<(), CniError> {
