@@ -101,3 +101,41 @@ async fn an_add_repeated_after_its_del_is_recorded_whatever_the_cache_shows() {
         }
     }
 }
+
+/// Seen in the 10-node storm (issue 28): a DEL announced its container's release, then ran out of
+/// time before removing the entry; the runtime's next ADD of that container reused the entry and
+/// succeeded, but the announcement stayed, so a later DEL of another pod of the node swept the
+/// entry with its own: an address handed out and recorded nowhere. Taking the entry again
+/// withdraws the announcement.
+#[tokio::test]
+async fn an_entry_taken_again_after_a_cut_off_del_survives_another_release() {
+    for lagging in [false, true] {
+        let store = if lagging {
+            MemoryStore::new().lagging()
+        } else {
+            MemoryStore::new()
+        };
+        let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+        let first = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+        let first = addresses(&first.unwrap())[0].clone();
+        run(&store, Command::Add, &ipam, "c2", "p2").await.unwrap();
+        // What a DEL of c1 does before it removes the entry: announce the release.
+        let ip = first.split('/').next().unwrap();
+        let name = store
+            .reservation_names()
+            .into_iter()
+            .find(|n| n.ends_with(ip))
+            .unwrap();
+        let r = store.get_reservation(&name).await.unwrap().unwrap();
+        store.mark_releasing(&name, &r.uid).await.unwrap();
+        let again = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+        assert_eq!(addresses(&again.unwrap())[0], first, "the entry is reused");
+        run(&store, Command::Del, &ipam, "c2", "p2").await.unwrap();
+        let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+        assert!(
+            pool.allocations.values().any(|e| e.id == "c1"),
+            "lagging={lagging}: c1 was handed {first} again, the pool holds {:?}",
+            pool.allocations
+        );
+    }
+}

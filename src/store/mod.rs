@@ -345,7 +345,8 @@ pub trait Datastore: Send + Sync {
     ) -> impl Future<Output = Result<Write>> + Send;
     /// Writes a claim afresh, if it is still exactly the version that was read: its claim bucket
     /// moves to now and [`RENEWED_ANNOTATION`] to this second, so that its resourceVersion and
-    /// last write change. A writer about to record a claim made earlier (by an earlier attempt)
+    /// last write change, and any release announced for it is withdrawn (a DEL of the same
+    /// container cut off after announcing must not leave the entry to other DELs' sweeps). A writer about to record a claim made earlier (by an earlier attempt)
     /// renews it first: the audit never sweeps a claim written within
     /// [`crate::alloc::CLAIM_LIFETIME`] (plus a margin), and deletes only the version it saw.
     fn renew_claim(

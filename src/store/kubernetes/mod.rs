@@ -351,7 +351,10 @@ impl Datastore for KubeStore {
         let body = json!({"metadata": {
             "uid": uid,
             "resourceVersion": resource_version,
-            "labels": {CLAIMED_LABEL: claim_bucket(now).to_string()},
+            // A release announced by an earlier DEL of this container (cut off before it removed
+            // the entry) is withdrawn: the entry is being taken again, and a later DEL of another
+            // container would otherwise sweep it as announced (see `releases_of`).
+            "labels": {CLAIMED_LABEL: claim_bucket(now).to_string(), RELEASING_LABEL: null},
             "annotations": {RENEWED_ANNOTATION: now.to_string()},
         }});
         Ok(self.patch_reservation(name, &body).await?.0)

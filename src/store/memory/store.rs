@@ -329,8 +329,10 @@ impl Datastore for MemoryStore {
     }
 
     async fn renew_claim(&self, name: &str, uid: &str, resource_version: &str) -> Result<Write> {
-        self.patch_at("renew_claim", name, uid, resource_version, |_| {})
-            .await
+        self.patch_at("renew_claim", name, uid, resource_version, |s| {
+            s.releasing.remove(name);
+        })
+        .await
     }
 
     async fn take_over_reservation(
