@@ -21,8 +21,9 @@
 # whereabouts networks per pod, default 2), WHEREABOUTS_E2E_IMAGES (images folder, default
 # e2e/.images).
 #
-# Addresses. Everything stays on this machine: the node's address 10.85.0.1 sits on `wab0`, a
-# bridge with no ports but the pods' veths; pods are 10.85.0.0/22 (eth0) and 10.86.0.0/22 (net1,
+# Addresses. Everything stays on this machine: the node's address 10.85.0.1 (and fd00:85::1) sits
+# on `wab0`, a bridge with no ports but the pods' veths; pods are dual-stack on eth0, 10.85.0.0/22
+# and fd00:85::/116 (both from our IPAM, so status.podIPs has one of each), and 10.86.0.0/22 (net1,
 # bridge `wab1`, no host address); `wab2`, a bridge with no ports at all, is the master of the
 # tests' macvlan NADs, and `wab3`, another, the bridge of their bridge NADs (this machine's
 # kernel has no ipvlan); the Service range 10.96.0.0/16 is routed into `wab0`, so a
@@ -46,6 +47,8 @@ NODE_NAME=wab-node
 NODE_IP=10.85.0.1
 POD_BRIDGE=wab0
 POD_CIDR=10.85.0.0/22
+NODE_IP6=fd00:85::1
+POD_CIDR6=fd00:85::/116
 NET2_BRIDGE=wab1
 NET2_CIDR=10.86.0.0/22
 # The tests' NADs: macvlan children of one portless bridge, bridge NADs on another.
@@ -154,6 +157,7 @@ setup_host() {
   # The node's address, on a bridge that has no port to any real network.
   ip link show "$POD_BRIDGE" >/dev/null 2>&1 || ip link add "$POD_BRIDGE" type bridge
   ip addr replace "$NODE_IP/22" dev "$POD_BRIDGE"
+  ip -6 addr replace "$NODE_IP6/116" dev "$POD_BRIDGE" nodad
   ip link set "$POD_BRIDGE" up
   ip link show "$NET2_BRIDGE" >/dev/null 2>&1 || ip link add "$NET2_BRIDGE" type bridge
   ip link set "$NET2_BRIDGE" up
@@ -187,7 +191,8 @@ write_cni_configs() {
 {"cniVersion": "1.0.0", "name": "wab-pods", "plugins": [
   {"type": "bridge", "bridge": "$POD_BRIDGE", "isGateway": true, "isDefaultGateway": true,
    "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "whereabouts", "range": "$POD_CIDR", "range_start": "10.85.0.10"}},
+   "ipam": {"type": "whereabouts", "range": "$POD_CIDR", "range_start": "10.85.0.10",
+            "ipRanges": [{"range": "$POD_CIDR6", "range_start": "fd00:85::10"}]}},
   {"type": "portmap", "capabilities": {"portMappings": true}}
 ]}
 EOF

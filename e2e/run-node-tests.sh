@@ -16,4 +16,6 @@ trap cleanup EXIT
 
 # `up` builds the node binaries and the images (static release build included) when needed.
 e2e/node.sh up >/dev/null
+# The migration and reinstall tests install the chart with helm (built once, like the node's binaries).
+e2e/build.sh helm
 cargo test --test node -- --test-threads=1 "$@"

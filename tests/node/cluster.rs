@@ -1,6 +1,6 @@
 //! The node, the install (the README's "Install on a cluster" steps, run once), and workloads.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -11,8 +11,9 @@ use serde_json::Value;
 use crate::harness::{kubectl_raw, repo};
 
 pub const POOL_NAMESPACE: &str = "kube-system";
-/// The pools of the node's two pod networks (e2e/node.sh): eth0 and net1.
+/// The pools of the node's pod networks (e2e/node.sh): eth0 (dual-stack) and net1.
 pub const POD_POOL: &str = "10.85.0.0-22";
+pub const POD_POOL6: &str = "fd00-85---116";
 pub const NET2_POOL: &str = "10.86.0.0-22";
 pub const SYSTEM_NS: &str = "whereabouts-system";
 
@@ -268,8 +269,7 @@ pub struct Workload {
 
 /// What each test pod runs: prints its interfaces (the log shows the address on eth0 and net1),
 /// then idles until told to stop.
-pub const POD_COMMAND: &str =
-    "ip -o -4 addr show; trap 'exit 0' TERM; while true; do sleep 1; done";
+pub const POD_COMMAND: &str = "ip -o addr show; trap 'exit 0' TERM; while true; do sleep 1; done";
 
 impl Workload {
     pub fn new(prefix: &str) -> Workload {
@@ -463,71 +463,4 @@ pub fn summary(pods: &[Value]) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-/// Each pod's addresses on eth0 and net1 as its own log shows them (`ip -o -4 addr show`).
-pub fn logged_addresses(log: &str) -> BTreeMap<String, String> {
-    log.lines()
-        .filter_map(|l| {
-            let mut words = l.split_whitespace();
-            let _index = words.next()?;
-            let ifname = words.next()?;
-            (words.next()? == "inet").then_some(())?;
-            let cidr = words.next()?;
-            Some((ifname.to_string(), cidr.split('/').next()?.to_string()))
-        })
-        .filter(|(ifname, _)| ifname != "lo")
-        .collect()
-}
-
-/// The pods' eth0 addresses (status.podIP): all distinct, or a panic naming the duplicates.
-pub fn distinct_pod_ips(pods: &[Value]) -> BTreeSet<String> {
-    let ips: Vec<String> = pods
-        .iter()
-        .map(|p| {
-            p["status"]["podIP"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
-    let set: BTreeSet<String> = ips.iter().cloned().collect();
-    assert_eq!(set.len(), ips.len(), "duplicate pod IPs: {ips:?}");
-    assert!(!set.contains(""), "a pod without an IP: {ips:?}");
-    set
-}
-
-/// Every pod's eth0 address is its podIP and its pool entry; net1 likewise in the second pool.
-pub fn check_pods_against_pools(w: &Workload, pods: &[serde_json::Value]) {
-    let ips = distinct_pod_ips(pods);
-    let mut net1 = BTreeSet::new();
-    for p in pods {
-        let name = p["metadata"]["name"].as_str().unwrap();
-        let logged = logged_addresses(&w.logs(name));
-        assert_eq!(
-            logged.get("eth0").map(String::as_str),
-            p["status"]["podIP"].as_str(),
-            "{name} sees {logged:?}"
-        );
-        let second = logged
-            .get("net1")
-            .unwrap_or_else(|| panic!("{name}: no net1: {logged:?}"));
-        assert!(net1.insert(second.clone()), "net1 {second} held twice");
-    }
-    // The pools hold exactly these pods, one entry each, and nothing else of this namespace.
-    for (pool, want) in [(POD_POOL, &ips), (NET2_POOL, &net1)] {
-        let entries = entries_of(pool, &w.ns);
-        assert_eq!(entries.len(), pods.len(), "{pool}: {entries:?}");
-        let pods_in_pool: BTreeSet<&str> = entries.iter().map(|e| e.0.as_str()).collect();
-        assert_eq!(pods_in_pool.len(), pods.len(), "{pool}: a pod twice");
-        let base: std::net::Ipv4Addr = pool.split('-').next().unwrap().parse().unwrap();
-        let addresses: BTreeSet<String> = entries
-            .iter()
-            .map(|e| {
-                std::net::Ipv4Addr::from(u32::from(base) + e.1.parse::<u32>().unwrap()).to_string()
-            })
-            .collect();
-        assert_eq!(&addresses, want, "{pool}: pool and pods disagree");
-    }
-    assert_eq!(reservations_of(&w.ns), 2 * pods.len(), "reservations");
 }

@@ -4,8 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use crate::addresses::distinct_pod_ips;
 use crate::cluster::{
-    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, agent_log, distinct_pod_ips, entries_of, get_json,
+    NET2_POOL, POD_POOL, POD_POOL6, SYSTEM_NS, Workload, agent_log, entries_of, get_json,
     kubectl_ok, node, reservations_of, wait_until,
 };
 
@@ -13,14 +14,15 @@ use crate::cluster::{
 fn converged(w: &Workload, pods: usize) -> Result<(), String> {
     let state = (
         entries_of(POD_POOL, &w.ns).len(),
+        entries_of(POD_POOL6, &w.ns).len(),
         entries_of(NET2_POOL, &w.ns).len(),
         reservations_of(&w.ns),
     );
-    if state == (pods, pods, 2 * pods) {
+    if state == (pods, pods, pods, 3 * pods) {
         Ok(())
     } else {
         Err(format!(
-            "eth0 entries, net1 entries, reservations: {state:?}, want {pods} each"
+            "eth0 IPv4 and IPv6 entries, net1 entries, reservations: {state:?}, want {pods} each"
         ))
     }
 }

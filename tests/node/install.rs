@@ -8,9 +8,10 @@ use std::process::{Command, Stdio};
 
 use serde_json::json;
 
+use crate::addresses::check_pods_against_pools;
 use crate::cluster::{
-    POOL_NAMESPACE, Workload, agent_log, check_pods_against_pools, get_json, is_ready, kubectl,
-    node, operator_pods, wait_until,
+    POOL_NAMESPACE, Workload, agent_log, get_json, is_ready, kubectl, node, operator_pods,
+    wait_until,
 };
 use crate::harness::repo;
 

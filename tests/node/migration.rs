@@ -13,10 +13,10 @@ use std::process::Command;
 
 use serde_json::{Value, json};
 
+use crate::addresses::check_pods_against_pools;
 use crate::cluster::{
-    POD_POOL, SYSTEM_NS, Workload, check_pods_against_pools, events_in, get_json,
-    install_with_kustomize, is_ready, kubectl, kubectl_ok, node, operator_pods, pool_entries,
-    wait_until,
+    POD_POOL, SYSTEM_NS, Workload, events_in, get_json, install_with_kustomize, is_ready, kubectl,
+    kubectl_ok, node, operator_pods, pool_entries, wait_until,
 };
 use crate::harness::{operator_bin, repo};
 use crate::install::release_binary;

@@ -3,10 +3,11 @@
 //! `k8s.v1.cni.cncf.io/network-status`. Nothing here writes a network-status: Multus does.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 use serde_json::{Value, json};
 
+use crate::addresses::{logged, pooled};
 use crate::cluster::{POOL_NAMESPACE, Workload, get_json, kubectl, node, wait_until};
 
 /// A NetworkAttachmentDefinition `name` in the workload's namespace, whose config is `config`
@@ -42,25 +43,6 @@ pub fn nad_pod(w: &Workload, name: &str, networks: &str) {
     ));
 }
 
-/// Interface -> addresses, as the pod's own log shows them (global scope only).
-fn logged(w: &Workload, pod: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let mut by_if: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for line in w.logs(pod).lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if words.len() < 4 || !matches!(words[2], "inet" | "inet6") || words[1] == "lo" {
-            continue;
-        }
-        let ip = words[3].split('/').next().unwrap_or_default();
-        if !ip.starts_with("fe80") {
-            by_if
-                .entry(words[1].trim_end_matches(':').to_string())
-                .or_default()
-                .insert(ip.to_string());
-        }
-    }
-    by_if
-}
-
 /// Interface -> (network name, addresses), from the network-status Multus wrote on the pod.
 fn network_status(pod: &Value) -> BTreeMap<String, (String, BTreeSet<String>)> {
     let text = pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/network-status"]
@@ -79,29 +61,6 @@ fn network_status(pod: &Value) -> BTreeMap<String, (String, BTreeSet<String>)> {
             )
         })
         .collect()
-}
-
-/// Interface -> addresses of `podref`'s entries in every IPPool (pool range + entry offset).
-pub fn pooled(podref: &str) -> BTreeMap<String, BTreeSet<String>> {
-    let mut by_if: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let pools = get_json(&["-n", POOL_NAMESPACE, "get", "ippools"]).unwrap();
-    for pool in pools["items"].as_array().unwrap() {
-        let range: ipnet::IpNet = pool["spec"]["range"].as_str().unwrap().parse().unwrap();
-        let entries = pool["spec"]["allocations"].as_object().cloned();
-        for (offset, e) in entries.into_iter().flatten() {
-            if e["podref"] != podref {
-                continue;
-            }
-            let offset: u128 = offset.parse().unwrap();
-            let ip = match range.network() {
-                IpAddr::V4(a) => Ipv4Addr::from(u32::from(a) + offset as u32).to_string(),
-                IpAddr::V6(a) => Ipv6Addr::from(u128::from(a) + offset).to_string(),
-            };
-            let ifname = e["ifname"].as_str().unwrap_or_default().to_string();
-            by_if.entry(ifname).or_default().insert(ip);
-        }
-    }
-    by_if
 }
 
 /// Waits until pod `name` runs, and returns it.

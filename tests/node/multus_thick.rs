@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
+use crate::addresses::pooled;
 use crate::cluster::{Workload, indented, kubectl, kubectl_ok, node, wait_until};
-use crate::multus::{pooled, two_nads_agree};
+use crate::multus::two_nads_agree;
 
 const NS: &str = "kube-system";
 const SHIM: &str = "/opt/cni/bin/multus-shim";

@@ -8,12 +8,13 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+use crate::addresses::check_pods_against_pools;
+use crate::addresses::pooled;
 use crate::cluster::{
-    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, check_pods_against_pools, get_json,
-    install_with_kustomize, kubectl_ok, node, pace_operator, pool_entries, wait_until,
+    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, get_json, install_with_kustomize, kubectl_ok, node,
+    pace_operator, pool_entries, wait_until,
 };
 use crate::harness::repo;
-use crate::multus::pooled;
 
 pub const PLUGIN: &str = "/opt/cni/bin/whereabouts";
 const KUBECONFIG: &str = "/etc/cni/net.d/whereabouts.d/whereabouts.kubeconfig";
@@ -131,7 +132,11 @@ fn uninstall_keeps_the_data_and_no_pod_stuck_then_helm_reinstalls_over_it() {
     let (survivor_ref, orphan_ref) = (name(&survivor), name(&orphan));
     let survivor_held = held(&survivor_ref);
     let orphan_held = held(&orphan_ref);
-    assert_eq!(survivor_held.len(), 2, "eth0 and net1: {survivor_held:?}");
+    assert_eq!(
+        survivor_held.len(),
+        3,
+        "eth0 (IPv4 and IPv6) and net1: {survivor_held:?}"
+    );
 
     // Uninstalled while pods hold addresses: the host's files stay for their DELs.
     uninstall(false);

@@ -4,9 +4,9 @@
 
 use std::collections::BTreeSet;
 
+use crate::addresses::check_pods_against_pools;
 use crate::cluster::{
-    NET2_POOL, POD_POOL, Workload, check_pods_against_pools, entries_of, reservations_of,
-    wait_until,
+    NET2_POOL, POD_POOL, POD_POOL6, Workload, entries_of, reservations_of, wait_until,
 };
 
 #[test]
@@ -23,13 +23,16 @@ fn a_deployment_of_60_gets_60_distinct_addresses_and_gives_them_back() {
     wait_until(60, "pools and reservations empty of the namespace", || {
         let left = (
             entries_of(POD_POOL, &w.ns).len(),
+            entries_of(POD_POOL6, &w.ns).len(),
             entries_of(NET2_POOL, &w.ns).len(),
             reservations_of(&w.ns),
         );
-        if left == (0, 0, 0) {
+        if left == (0, 0, 0, 0) {
             Ok(())
         } else {
-            Err(format!("entries eth0/net1, reservations: {left:?}"))
+            Err(format!(
+                "entries eth0 IPv4/IPv6, net1, reservations: {left:?}"
+            ))
         }
     });
 }
