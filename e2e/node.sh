@@ -315,6 +315,10 @@ evictionHard: {}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 maxPods: 250
+# Static pods (tests/node/lifecycle.rs): the kubelet runs what a test writes here, and mirrors it
+# into the API under another UID than the one it passes the plugin as K8S_POD_UID.
+staticPodPath: "$NODE_DIR/manifests"
+fileCheckFrequency: 5s
 serializeImagePulls: false
 clusterDomain: cluster.local
 resolvConf: ""
@@ -436,7 +440,7 @@ cmd_up() {
   for tool in kubelet kube-scheduler kube-proxy crictl multus; do
     [[ -x "$BIN_DIR/$tool" ]] || die "$BIN_DIR/$tool missing (e2e/build.sh $tool)"
   done
-  mkdir -p "$NODE_DIR"
+  mkdir -p "$NODE_DIR" "$NODE_DIR/manifests"
   trap on_up_exit EXIT
   load_env
 
@@ -635,6 +639,7 @@ cmd_env() {
   load_env
   cat <<EOF
 NODE_DIR=$NODE_DIR
+STATIC_POD_PATH=$NODE_DIR/manifests
 NODE_NAME=$NODE_NAME
 NODE_IP=$NODE_IP
 CNI_CONF_DIR=$NODE_DIR/net.d
