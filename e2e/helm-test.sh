@@ -103,10 +103,11 @@ compare() { # LABEL RENDERING helm_compare.py-ARGS...
   python3 e2e/helm_compare.py "$work/$rendering" --label "$label" "$@"
 }
 
-# The defaults: config/default without its Namespace (helm install --create-namespace makes it).
+# The defaults: config/default without the release namespace (helm install --create-namespace
+# makes it); the operator's namespace is the chart's (operator.createNamespace).
 render default.chart.yaml whereabouts-system
-check "defaults = config/default (less the Namespace)" \
-  compare defaults default.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace
+check "defaults = config/default (less the release Namespace)" \
+  compare defaults default.chart.yaml --expect "$work/default.yaml" --drop Namespace/whereabouts-system
 
 render namespace.chart.yaml whereabouts-system --set namespace.create=true
 check "namespace.create = config/default" \
@@ -121,6 +122,29 @@ check "certManager + monitoring in namespace net-system = config/default-cert-ma
   compare certmanager+monitoring all-on.chart.yaml --expect "$work/default-cert-manager.yaml" \
     --expect "$work/monitoring.yaml" --namespace net-system \
     --set "DaemonSet/whereabouts-node:spec.template.spec.containers[agent].resources.limits.memory=512Mi"
+
+# The operator's namespace (restricted, its own by default): another one moves the operator's
+# objects and every reference to them; an empty one puts the operator next to the node DaemonSet.
+render operator-ns.chart.yaml whereabouts-system --set operator.namespace=net-ops
+check "operator.namespace moves the operator's objects and the references to them" \
+  compare operator.namespace operator-ns.chart.yaml --expect "$work/default.yaml" \
+    --drop Namespace/whereabouts-system --operator-namespace net-ops
+render operator-release-ns.chart.yaml whereabouts-system --set operator.namespace=
+check "operator.namespace empty: the operator in the release namespace, no Namespace rendered" \
+  compare operator.namespace= operator-release-ns.chart.yaml --expect "$work/default.yaml" \
+    --drop Namespace/whereabouts-system --drop Namespace/whereabouts-operator \
+    --operator-namespace whereabouts-system
+restricted_operator_ns() {
+  python3 - "$work/default.yaml" <<'PY'
+import sys, yaml
+ns = {o["metadata"]["name"]: o["metadata"].get("labels", {})
+      for o in yaml.safe_load_all(open(sys.argv[1])) if o and o["kind"] == "Namespace"}
+want = {"whereabouts-system": "privileged", "whereabouts-operator": "restricted"}
+got = {n: ns.get(n, {}).get("pod-security.kubernetes.io/enforce") for n in want}
+sys.exit(0 if got == want else f"Pod Security levels {got}, want {want}")
+PY
+}
+check "config/default: the node's namespace privileged, the operator's restricted" restricted_operator_ns
 
 # Every other value, each changing only its own fields. (Maps given whole: Helm merges them into
 # the defaults key by key.)
@@ -147,7 +171,7 @@ render values.chart.yaml whereabouts-system -f "$work/values.yaml"
 operator=Deployment/whereabouts-operator
 node=DaemonSet/whereabouts-node
 check "non-default values change only their fields" \
-  compare values values.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace \
+  compare values values.chart.yaml --expect "$work/default.yaml" --drop Namespace/whereabouts-system \
     --pool-namespace net-pools --no-agent \
     --image registry.example.com/whereabouts:9.9.9 --pull-policy Always \
     --set "$operator:spec.replicas=3" \
@@ -163,7 +187,7 @@ check "non-default values change only their fields" \
 "$KUBECTL" kustomize e2e/kustomize/no-selinux >"$work/no-selinux.yaml"
 render no-selinux.chart.yaml whereabouts-system --set node.seLinuxOptions=null
 check "node.seLinuxOptions=null = config/components/no-selinux" \
-  compare no-selinux no-selinux.chart.yaml --expect "$work/no-selinux.yaml" --drop-kind Namespace
+  compare no-selinux no-selinux.chart.yaml --expect "$work/no-selinux.yaml" --drop Namespace/whereabouts-system
 no_selinux_type() { ! grep -q 'seLinuxOptions' "$work/no-selinux.yaml"; }
 check "the no-selinux component removes the type" no_selinux_type
 
@@ -174,7 +198,7 @@ layout() { # NAME BIN CONF
   local name="$1" bin="$2" conf="$3" out="$work/layout-$1.yaml"
   "$KUBECTL" kustomize "e2e/kustomize/layout-$name" >"$out" || return 1
   render "layout-$name.chart.yaml" whereabouts-system --set "node.cniBinDir=$bin,node.cniConfDir=$conf"
-  compare "layout-$name" "layout-$name.chart.yaml" --expect "$out" --drop-kind Namespace || return 1
+  compare "layout-$name" "layout-$name.chart.yaml" --expect "$out" --drop Namespace/whereabouts-system || return 1
   local want
   for want in "--cni-bin-dir=$bin" "--cni-conf-dir=$conf" "mountPath: /host$bin" "mountPath: /host$conf" \
       "--serves-kubeconfig=$conf/whereabouts.d/whereabouts.kubeconfig" "path: $bin" "path: $conf"; do
@@ -206,8 +230,8 @@ check "node.cniBinDir/cniConfDir: bad folders are refused, naming them" refuses_
 # The comparison itself must catch a difference (a test that cannot fail proves nothing).
 sed 's/--pool-namespace=kube-system/--pool-namespace=elsewhere/' "$work/default.chart.yaml" >"$work/broken.chart.yaml"
 catches_drift() {
-  ! compare broken broken.chart.yaml --expect "$work/default.yaml" --drop-kind Namespace >"$work/broken.out" &&
-    grep -q 'differs: apps/v1/Deployment/whereabouts-system/whereabouts-operator' "$work/broken.out" &&
+  ! compare broken broken.chart.yaml --expect "$work/default.yaml" --drop Namespace/whereabouts-system >"$work/broken.out" &&
+    grep -q 'differs: apps/v1/Deployment/whereabouts-operator/whereabouts-operator' "$work/broken.out" &&
     grep -q 'differs: apps/v1/DaemonSet/whereabouts-system/whereabouts-node' "$work/broken.out"
 }
 check "a changed flag is reported" catches_drift

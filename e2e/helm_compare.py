@@ -5,7 +5,7 @@
 
 The expected objects are built from the kustomize renderings in the order given: --expect adds
 (or replaces) every object of a file, --minus removes every object of a file (by key); then
---drop-kind KIND removes every object of that kind (the Namespace: namespace.create). The edits
+--drop KIND/NAME removes that object (Namespace/whereabouts-system: namespace.create). The edits
 below then say what a non-default value changes; everything else must stay as kustomize has it.
 Objects are matched by apiVersion/kind/namespace/name and compared whole, after removing from
 the chart's objects only the labels and annotations Helm adds (CHART_KEYS). Prints a diff of
@@ -13,6 +13,10 @@ every missing, extra or different object and exits 1; exits 0 when they are the 
 
 Edits of the expected objects (each mirrors one chart value):
   --namespace NS        the release namespace: every string "whereabouts-system" becomes NS
+  --operator-namespace NS
+                        operator.namespace: the operator's objects, the references to them
+                        (subjects, the webhook's Service, certificate names, monitoring
+                        selectors) and its Namespace move from whereabouts-operator to NS
   --pool-namespace NS   Roles and RoleBindings in kube-system move to NS (not those that read
                         upstream's objects, UPSTREAM_ROLES, which stay where upstream puts them);
                         --pool-namespace=NS
@@ -87,6 +91,27 @@ def replace_strings(node, old, new):
     return node
 
 
+OPERATOR_NS = "whereabouts-operator"
+
+
+def move_operator_namespace(node, ns, key=None):
+    """Moves what lives in (or names) the operator's namespace to NS. Only namespace fields and
+    names built from it change: the operator's own objects share the namespace's name."""
+    if isinstance(node, dict):
+        moved = {k: move_operator_namespace(v, ns, k) for k, v in node.items()}
+        if moved.get("kind") == "Namespace" and moved["metadata"]["name"] == OPERATOR_NS:
+            moved["metadata"]["name"] = ns
+        return moved
+    if isinstance(node, list):
+        return [move_operator_namespace(v, ns, key) for v in node]
+    if isinstance(node, str):
+        if key in ("namespace", "matchNames") and node == OPERATOR_NS:
+            return ns
+        return (node.replace(f".{OPERATOR_NS}.svc", f".{ns}.svc")
+                .replace(f"{OPERATOR_NS}/whereabouts-webhook", f"{ns}/whereabouts-webhook"))
+    return node
+
+
 def pod_specs(obj):
     spec = (obj.get("spec") or {}).get("template", {}).get("spec")
     return [spec] if spec else []
@@ -130,6 +155,9 @@ def apply_edits(objs, args):
     if args.namespace:
         objs = {k: replace_strings(o, "whereabouts-system", args.namespace) for k, o in objs.items()}
         objs = {key(o): o for o in objs.values()}
+    if args.operator_namespace:
+        objs = {k: move_operator_namespace(o, args.operator_namespace) for k, o in objs.items()}
+        objs = {key(o): o for o in objs.values()}
     if args.pool_namespace:
         for o in objs.values():
             if (o["kind"] in ("Role", "RoleBinding") and o["metadata"].get("namespace") == "kube-system"
@@ -165,8 +193,9 @@ def main():
     p.add_argument("actual", help="the chart's rendering (helm template --include-crds)")
     p.add_argument("--expect", action="append", default=[], dest="steps", type=lambda f: ("+", f))
     p.add_argument("--minus", action="append", default=[], dest="steps", type=lambda f: ("-", f))
-    p.add_argument("--drop-kind", action="append", default=[])
+    p.add_argument("--drop", action="append", default=[], help="KIND/NAME of an object to remove")
     p.add_argument("--namespace")
+    p.add_argument("--operator-namespace")
     p.add_argument("--pool-namespace")
     p.add_argument("--no-agent", action="store_true")
     p.add_argument("--image")
@@ -185,7 +214,9 @@ def main():
                 if k not in expected:
                     sys.exit(f"helm_compare: --minus {path}: {k} is not expected anyway")
                 del expected[k]
-    expected = {k: o for k, o in expected.items() if o["kind"] not in args.drop_kind}
+    drop = set(args.drop)
+    expected = {k: o for k, o in expected.items()
+                if f'{o["kind"]}/{o["metadata"]["name"]}' not in drop}
     expected = apply_edits(expected, args)
     actual = {k: strip_chart_metadata(o) for k, o in load(args.actual).items()}
 

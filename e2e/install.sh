@@ -30,5 +30,5 @@ images:
     newTag: ${image##*:}
 EOF
 kubectl apply -k whereabouts-install >&2
-kubectl -n whereabouts-system rollout status deployment/whereabouts-operator --timeout=300s >&2
+kubectl -n whereabouts-operator rollout status deployment/whereabouts-operator --timeout=300s >&2
 kubectl -n whereabouts-system rollout status daemonset/whereabouts-node --timeout=300s >&2

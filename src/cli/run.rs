@@ -141,7 +141,7 @@ fn self_managed(args: &RunArgs, secret: &str) -> webhook::certs::SelfManaged {
     let namespace = std::env::var("POD_NAMESPACE")
         .ok()
         .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| "whereabouts-system".to_owned());
+        .unwrap_or_else(|| "whereabouts-operator".to_owned());
     let dir = &args.webhook_cert_dir;
     webhook::certs::SelfManaged {
         namespace,

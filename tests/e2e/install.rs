@@ -58,7 +58,7 @@ fn config_default_renders_and_the_server_accepts_every_object() {
     assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
     // The webhook Service is next to the pods it selects, and the webhook configuration points at it.
     let svc = find(&objects, "Service", "whereabouts-webhook");
-    assert_eq!(svc["metadata"]["namespace"], "whereabouts-system");
+    assert_eq!(svc["metadata"]["namespace"], "whereabouts-operator");
     let vwc = find(
         &objects,
         "ValidatingWebhookConfiguration",
@@ -66,7 +66,7 @@ fn config_default_renders_and_the_server_accepts_every_object() {
     );
     assert_eq!(
         vwc["webhooks"][0]["clientConfig"]["service"]["namespace"],
-        "whereabouts-system"
+        "whereabouts-operator"
     );
     let ds = find(&objects, "DaemonSet", "whereabouts-node");
     assert_eq!(
@@ -97,13 +97,9 @@ fn config_default_renders_and_the_server_accepts_every_object() {
             .any(|v| v["hostPath"]["path"] == "/run/whereabouts")
     );
 
-    // The server-side dry run. Objects in whereabouts-system need the namespace to exist (a dry
-    // run does not create it), so it is created for real; nothing else is persisted.
-    let _ = kubectl_raw(
-        admin_kubeconfig(),
-        &["create", "namespace", "whereabouts-system"],
-        None,
-    );
+    // The server-side dry run. Namespaced objects need their namespace to exist (a dry run does
+    // not create it), so config/namespace is applied for real; nothing else is persisted.
+    apply_namespaces();
     let out = kubectl_raw(
         admin_kubeconfig(),
         &[
@@ -132,13 +128,74 @@ fn config_default_renders_and_the_server_accepts_every_object() {
             "get",
             "deployment",
             "-n",
-            "whereabouts-system",
+            "whereabouts-operator",
             "-o",
             "name",
         ],
         None,
     );
     assert_eq!(String::from_utf8_lossy(&get.stdout).trim(), "");
+}
+
+fn apply_namespaces() {
+    let dir = repo().join("config/namespace");
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &["apply", "-k", dir.to_str().unwrap()],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A pod of `workload`'s template in `namespace`, created as a server-side dry run: what the API
+/// server's Pod Security admission says of it (Err: its message).
+fn pod_of(workload: &serde_json::Value, namespace: &str) -> Result<(), String> {
+    // Only Pod Security is asked: the account and the priority class (whose quota lives in the
+    // node namespace) have admission checks of their own that a bare namespace would fail.
+    let mut spec = workload["spec"]["template"]["spec"].clone();
+    let fields = spec.as_object_mut().unwrap();
+    fields.remove("serviceAccountName");
+    fields.remove("priorityClassName");
+    let pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "psa-check", "namespace": namespace},
+        "spec": spec,
+    });
+    let out = kubectl_raw(
+        admin_kubeconfig(),
+        &["create", "--dry-run=server", "-f", "-"],
+        Some(&pod.to_string()),
+    );
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+    }
+}
+
+/// Each half in the namespace whose Pod Security level fits it: the operator passes
+/// `restricted`, so its namespace enforces that and would refuse the node pods (host network,
+/// host paths, root), which run in the `privileged` one.
+#[test]
+fn the_operator_runs_under_restricted_pod_security_and_the_node_pods_under_privileged() {
+    let objects = kustomize("config/default");
+    apply_namespaces();
+    let operator = find(&objects, "Deployment", "whereabouts-operator");
+    let node = find(&objects, "DaemonSet", "whereabouts-node");
+    assert_eq!(operator["metadata"]["namespace"], "whereabouts-operator");
+    assert_eq!(node["metadata"]["namespace"], "whereabouts-system");
+
+    pod_of(operator, "whereabouts-operator").expect("the operator's pod under restricted");
+    pod_of(node, "whereabouts-system").expect("the node pod under privileged");
+    let refused = pod_of(node, "whereabouts-operator").expect_err("a node pod under restricted");
+    assert!(
+        refused.contains(r#"violates PodSecurity "restricted"#) && refused.contains("hostNetwork"),
+        "{refused}"
+    );
 }
 
 #[test]

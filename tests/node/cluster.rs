@@ -16,6 +16,8 @@ pub const POD_POOL: &str = "10.85.0.0-22";
 pub const POD_POOL6: &str = "fd00-85---116";
 pub const NET2_POOL: &str = "10.86.0.0-22";
 pub const SYSTEM_NS: &str = "whereabouts-system";
+/// The operator's namespace (Pod Security `restricted`; the node DaemonSet's is `privileged`).
+pub const OPERATOR_NS: &str = "whereabouts-operator";
 
 pub struct Node {
     pub kubeconfig: PathBuf,
@@ -159,7 +161,7 @@ pub fn pace_operator(node: &Node) {
     let kubectl_ok = |args: &[&str]| kubectl_checked(&node.kubeconfig, args, None);
     kubectl_ok(&[
         "-n",
-        SYSTEM_NS,
+        OPERATOR_NS,
         "set",
         "env",
         "deployment/whereabouts-operator",
@@ -169,7 +171,7 @@ pub fn pace_operator(node: &Node) {
     ]);
     kubectl_ok(&[
         "-n",
-        SYSTEM_NS,
+        OPERATOR_NS,
         "rollout",
         "status",
         "deployment/whereabouts-operator",
@@ -409,7 +411,7 @@ spec:
 /// The operator's pods (none when it is not installed).
 pub fn operator_pods() -> Vec<Value> {
     let selector = "app.kubernetes.io/name=whereabouts-operator";
-    get_json(&["-n", SYSTEM_NS, "get", "pods", "-l", selector])
+    get_json(&["-n", OPERATOR_NS, "get", "pods", "-l", selector])
         .and_then(|l| l["items"].as_array().cloned())
         .unwrap_or_default()
 }

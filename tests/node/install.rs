@@ -133,7 +133,7 @@ fn an_invalid_nad_is_rejected_by_the_in_cluster_webhook_through_its_service() {
         || {
             let secret = crate::cluster::get_json(&[
                 "-n",
-                "whereabouts-system",
+                crate::cluster::OPERATOR_NS,
                 "get",
                 "secret",
                 "whereabouts-webhook-tls",

@@ -15,8 +15,8 @@ use serde_json::{Value, json};
 
 use crate::addresses::check_pods_against_pools;
 use crate::cluster::{
-    POD_POOL, SYSTEM_NS, Workload, events_in, get_json, install_with_kustomize, is_ready, kubectl,
-    kubectl_ok, node, operator_pods, pool_entries, wait_until,
+    OPERATOR_NS, POD_POOL, Workload, events_in, get_json, install_with_kustomize, is_ready,
+    kubectl, kubectl_ok, node, operator_pods, pool_entries, wait_until,
 };
 use crate::harness::{operator_bin, repo};
 use crate::install::release_binary;
@@ -173,7 +173,7 @@ fn operator_samples(metric: &str) -> BTreeMap<String, f64> {
         return BTreeMap::new();
     };
     let name = pod["metadata"]["name"].as_str().unwrap();
-    let path = format!("/api/v1/namespaces/{SYSTEM_NS}/pods/{name}:8080/proxy/metrics");
+    let path = format!("/api/v1/namespaces/{OPERATOR_NS}/pods/{name}:8080/proxy/metrics");
     let out = kubectl(&["get", "--raw", &path], None);
     String::from_utf8_lossy(&out.stdout)
         .lines()

@@ -11,8 +11,8 @@ use std::process::{Command, Stdio};
 use crate::addresses::check_pods_against_pools;
 use crate::addresses::pooled;
 use crate::cluster::{
-    NET2_POOL, POD_POOL, SYSTEM_NS, Workload, get_json, install_with_kustomize, kubectl_ok, node,
-    pace_operator, pool_entries, wait_until,
+    NET2_POOL, OPERATOR_NS, POD_POOL, SYSTEM_NS, Workload, get_json, install_with_kustomize,
+    kubectl_ok, node, pace_operator, pool_entries, wait_until,
 };
 use crate::harness::repo;
 
@@ -27,13 +27,13 @@ pub fn uninstall(helm: bool) {
         "validatingwebhookconfiguration",
         "whereabouts-nad-validation",
     ]);
-    for object in [
-        "deployment/whereabouts-operator",
-        "daemonset/whereabouts-node",
+    for (namespace, object) in [
+        (OPERATOR_NS, "deployment/whereabouts-operator"),
+        (SYSTEM_NS, "daemonset/whereabouts-node"),
     ] {
         kubectl_ok(&[
             "-n",
-            SYSTEM_NS,
+            namespace,
             "delete",
             object,
             "--cascade=foreground",
@@ -59,10 +59,16 @@ pub fn uninstall(helm: bool) {
             "--timeout=180s",
         ]);
     }
-    // config/uninstall deletes the namespace; Helm leaves the one --create-namespace made.
-    if !helm {
-        wait_until(120, "the namespace gone", || {
-            get_json(&["get", "namespace", SYSTEM_NS])
+    // config/uninstall deletes both namespaces; Helm deletes the operator's, which the chart
+    // made, and leaves the one --create-namespace made.
+    let gone: &[&str] = if helm {
+        &[OPERATOR_NS]
+    } else {
+        &[SYSTEM_NS, OPERATOR_NS]
+    };
+    for namespace in gone {
+        wait_until(120, &format!("namespace {namespace} gone"), || {
+            get_json(&["get", "namespace", namespace])
                 .map_or(Ok(()), |n| Err(format!("{}", n["status"])))
         });
     }
@@ -196,7 +202,7 @@ fn uninstall_keeps_the_data_and_no_pod_stuck_then_helm_reinstalls_over_it() {
                 !e["podref"]
                     .as_str()
                     .unwrap_or_default()
-                    .starts_with(SYSTEM_NS)
+                    .starts_with(OPERATOR_NS)
             })
             .map(|e| e["podref"].to_string())
             .collect();

@@ -28,3 +28,8 @@ image: {{ printf "%s:%s" .Values.image.repository (.Values.image.tag | default .
 imagePullPolicy: {{ . }}
 {{- end }}
 {{- end }}
+
+{{/* The operator's namespace: operator.namespace, or the release namespace when that is empty. */}}
+{{- define "whereabouts.operatorNamespace" -}}
+{{- .Values.operator.namespace | default .Release.Namespace -}}
+{{- end }}
