@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# Re-pins e2e/k8s/go.mod to another Kubernetes release:
+# Re-pins e2e/k8s/go.mod (or, with --dir, another module of the same layout such as e2e/k8s-min,
+# the oldest supported release) to another Kubernetes release:
 #   e2e/k8s/bump.sh 1.37.2
+#   e2e/k8s/bump.sh --dir e2e/k8s-min 1.33.13
 # k8s.io/kubernetes requires its staging modules (k8s.io/api, k8s.io/client-go,
 # ...) at v0.0.0, which the Go proxy does not serve; each one is replaced by
 # its published tag v0.<minor>.<patch>. The list of staging modules is read
 # from the release's own go.mod, so new/removed ones are picked up.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")"
+usage="usage: $0 [--dir MODULE_DIR] 1.MINOR.PATCH"
+dir="$(dirname "${BASH_SOURCE[0]}")"
+if [[ "${1:-}" == --dir ]]; then
+  dir="${2:?$usage}"
+  shift 2
+fi
+# The module must already exist with its tool lines (the binaries it pins): only the kubernetes
+# require and the replace block are rewritten here.
+[[ -f "$dir/go.mod" ]] || { echo "$dir/go.mod not found ($usage)" >&2; exit 1; }
+cd "$dir"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 
-v="${1:?usage: $0 1.MINOR.PATCH}"
+v="${1:?$usage}"
 v="${v#v}"
 staging_v="0.${v#1.}"
 
