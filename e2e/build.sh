@@ -7,13 +7,16 @@
 # `multus-shim`) from the source archive in
 # ../shared/vendor (WHEREABOUTS_E2E_MULTUS_SOURCE overrides; never copied into the repository),
 # from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod
-# and e2e/helm/go.mod.
+# and e2e/helm/go.mod,
+# and, only when named, the oldest supported Kubernetes release's control plane
+# (`min/kube-apiserver`, `min/kube-controller-manager` -> e2e/bin/min/) from e2e/k8s-min/go.mod,
+# for `make e2e-min` (a cold Go cache takes as long as the newest release's: not built by default).
 #
-# A binary is rebuilt only when its stamp (e2e/bin/.NAME.stamp) differs from
+# A binary is rebuilt only when its stamp (e2e/bin/.NAME.stamp, e2e/bin/min/.NAME.stamp) differs from
 # the current inputs: Go version, build flags and the go.mod/go.sum of its
 # module (so bumping a pinned version rebuilds). The Go build cache (~/.cache/go-build) makes rebuilds incremental.
 #
-# Usage: e2e/build.sh [NAME...]     (default: all four)
+# Usage: e2e/build.sh [NAME...]     (default: etcd, kube-apiserver, kube-controller-manager, kubectl)
 # Progress goes to stderr; nothing is printed on stdout.
 set -euo pipefail
 
@@ -38,9 +41,10 @@ module_of() {
   case "$1" in
     etcd) echo "$E2E_DIR/etcd" ;;
     kube-apiserver|kube-controller-manager|kubectl|kubelet|kube-scheduler|kube-proxy) echo "$E2E_DIR/k8s" ;;
+    min/kube-apiserver|min/kube-controller-manager) echo "$E2E_DIR/k8s-min" ;;
     crictl) echo "$E2E_DIR/cri-tools" ;;
     helm) echo "$E2E_DIR/helm" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus, multus-daemon, multus-shim)" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus, multus-daemon, multus-shim, min/kube-apiserver, min/kube-controller-manager)" ;;
   esac
 }
 package_of() {
@@ -48,7 +52,7 @@ package_of() {
     etcd) echo "go.etcd.io/etcd/server/v3" ;; # module root is etcd's main package
     crictl) echo "sigs.k8s.io/cri-tools/cmd/crictl" ;;
     helm) echo "helm.sh/helm/v3/cmd/helm" ;;
-    *) echo "k8s.io/kubernetes/cmd/$1" ;;
+    *) echo "k8s.io/kubernetes/cmd/${1#min/}" ;;
   esac
 }
 
@@ -91,16 +95,23 @@ MULTUS_SOURCE="${WHEREABOUTS_E2E_MULTUS_SOURCE:-$E2E_DIR/../../shared/vendor/mul
   || MULTUS_SOURCE=/work/shared/vendor/multus-cni-v4.3.0.tar.gz
 MULTUS_SHA256=2660d40d01f02a4fb9a0422eb58e9b3708624ec1372fab19bdce99ec044f1dc7
 
+# stamp_of NAME: the stamp file next to e2e/bin/NAME (NAME may be in a folder: min/kube-apiserver).
+stamp_of() {
+  local dir=""
+  [[ "$1" == */* ]] && dir="${1%/*}/"
+  echo "$BIN_DIR/$dir.${1##*/}.stamp"
+}
+
 # up_to_date NAME WANT: e2e/bin/NAME exists and was built from the inputs whose hash is WANT.
 up_to_date() {
-  [[ -x "$BIN_DIR/$1" && "$(cat "$BIN_DIR/.$1.stamp" 2>/dev/null || true)" == "$2" ]] || return 1
+  [[ -x "$BIN_DIR/$1" && "$(cat "$(stamp_of "$1")" 2>/dev/null || true)" == "$2" ]] || return 1
   log "$1: up to date"
 }
 
 # built NAME WANT START: e2e/bin/NAME.tmp becomes NAME, stamped with WANT.
 built() {
   mv -f "$BIN_DIR/$1.tmp" "$BIN_DIR/$1"
-  echo "$2" > "$BIN_DIR/.$1.stamp"
+  echo "$2" > "$(stamp_of "$1")"
   log "$1: built in $(($(date +%s) - $3)) s -> $BIN_DIR/$1"
 }
 
@@ -141,8 +152,9 @@ build_one() {
   want="$( { go version; echo "CGO_ENABLED=$CGO_ENABLED"; echo "pkg=$pkg"; echo "ldflags=$ldflags";
              (cd "$mod_dir" && go mod edit -json); cat "$mod_dir/go.sum"; } | sha256sum | cut -d' ' -f1)"
   up_to_date "$name" "$want" && return 0
-  log "$name: building $pkg (this takes minutes on a cold Go build cache)"
+  log "$name: building $pkg from $mod_dir (this takes minutes on a cold Go build cache)"
   start=$(date +%s)
+  mkdir -p "$(dirname "$BIN_DIR/$name")"
   # -mod=readonly: go.sum is checked in and complete; never rewrite it here.
   if ! (cd "$mod_dir" && go build -mod=readonly -trimpath -ldflags="$ldflags" \
           -o "$BIN_DIR/$name.tmp" "$pkg"); then

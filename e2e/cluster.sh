@@ -20,12 +20,19 @@
 #
 # Environment:
 #   WHEREABOUTS_E2E_STATE    state folder (default: e2e/.state next to this script)
+#   WHEREABOUTS_E2E_K8S      which Kubernetes release runs the API server and controller manager
+#                            of a new cluster: `newest` (default; e2e/k8s, e2e/bin/) or `min`,
+#                            the oldest supported one (e2e/k8s-min, e2e/bin/min/; etcd and
+#                            kubectl stay the newest's). Recorded in the state folder (file
+#                            `k8s`): restart, status and down act on what `up` started whatever
+#                            the variable says, and `up` refuses to reuse a running cluster of
+#                            the other release.
 #   WHEREABOUTS_E2E_TIMEOUT  seconds to wait for each component (default 60)
 #   WHEREABOUTS_E2E_APISERVER_PORT  fixed apiserver port (default: a free one)
 #   WHEREABOUTS_E2E_SKIP_BUILD=1    use e2e/bin as is, never call build.sh
 #
 # State folder layout: pki/ (CA, certs, keys), etcd-data/, *.log, *.pid,
-# cluster.env (ports, urls), kubeconfig (admin, O=system:masters).
+# cluster.env (ports, urls), kubeconfig (admin, O=system:masters), k8s (newest or min).
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -52,9 +59,33 @@ SA_ISSUER="https://kubernetes.default.svc.cluster.local"
 # Pid files, logs, start/stop/wait: shared with e2e/node.sh.
 PROC_DIR="$STATE_DIR"
 PROC_TAG=cluster
-exe_of() { echo "$BIN_DIR/$1"; }
+# The control plane's release (WHEREABOUTS_E2E_K8S above). A state folder's recorded release
+# wins over the variable, so that its processes are always recognised by their executables
+# (is_our_process) and stopped by `down`; the variable chooses only for a new cluster (cmd_up).
+K8S_FILE="$STATE_DIR/k8s"
+REQUESTED_K8S="${WHEREABOUTS_E2E_K8S:-}"
+K8S="$(cat "$K8S_FILE" 2>/dev/null || true)"
+K8S="${K8S:-${REQUESTED_K8S:-newest}}"
+exe_of() {
+  case "$K8S:$1" in
+    min:kube-apiserver|min:kube-controller-manager) echo "$BIN_DIR/min/$1" ;;
+    *) echo "$BIN_DIR/$1" ;;
+  esac
+}
+# The binaries a cluster of release K8S runs (e2e/build.sh names).
+binaries() {
+  if [[ "$K8S" == min ]]; then
+    echo etcd min/kube-apiserver min/kube-controller-manager kubectl
+  else
+    echo etcd kube-apiserver kube-controller-manager kubectl
+  fi
+}
 # shellcheck source=lib/procs.sh
 source "$E2E_DIR/lib/procs.sh"
+for k in "$K8S" ${REQUESTED_K8S:+"$REQUESTED_K8S"}; do
+  [[ "$k" == newest || "$k" == min ]] \
+    || die "WHEREABOUTS_E2E_K8S (or $K8S_FILE) is '$k': want newest or min"
+done
 
 # Stops the components by their pid files, newest first.
 stop_components() {
@@ -319,7 +350,10 @@ on_up_exit() {
 cmd_up() {
   take_lock
   if healthy; then
-    log "already up"
+    # A test run meant for one release must not silently pass against the other.
+    [[ -z "$REQUESTED_K8S" || "$REQUESTED_K8S" == "$K8S" ]] \
+      || die "the cluster in $STATE_DIR runs Kubernetes '$K8S', not WHEREABOUTS_E2E_K8S=$REQUESTED_K8S: stop it first ($0 down) or use another WHEREABOUTS_E2E_STATE"
+    log "already up (Kubernetes $K8S)"
     echo "$KUBECONFIG_PATH"
     return 0
   fi
@@ -329,6 +363,8 @@ cmd_up() {
     stop_components
     rm -rf "$STATE_DIR"
   fi
+  # A new cluster: the release asked for, else the one the stale folder had, else the newest.
+  K8S="${REQUESTED_K8S:-$K8S}"
 
   for tool in python3 openssl base64 setsid; do
     command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
@@ -338,14 +374,17 @@ cmd_up() {
   if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]] || ! command -v go >/dev/null; then
     [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]] || log "go not found: using e2e/bin as is"
     local b
-    for b in etcd kube-apiserver kube-controller-manager kubectl; do
+    for b in $(binaries); do
       [[ -x "$BIN_DIR/$b" ]] || die "$BIN_DIR/$b missing and not building (need go, see e2e/build.sh)"
     done
   else
-    "$E2E_DIR/build.sh" || die "build failed (e2e/build.sh, see messages above)"
+    # shellcheck disable=SC2046 # binaries prints plain names, one word each
+    "$E2E_DIR/build.sh" $(binaries) || die "build failed (e2e/build.sh, see messages above)"
   fi
 
   mkdir -p "$STATE_DIR"
+  # Before any process starts, so that a failed `up` and `down` stop the right executables.
+  echo "$K8S" > "$K8S_FILE"
   trap on_up_exit EXIT
 
   local ports
@@ -402,7 +441,7 @@ EOF
     kubectl_admin get serviceaccount default -n default
 
   trap - EXIT
-  log "up: kube-apiserver at https://127.0.0.1:$APISERVER_PORT, logs in $STATE_DIR/*.log"
+  log "up: kube-apiserver ($K8S: $("$(exe_of kube-apiserver)" --version 2>/dev/null || echo '?')) at https://127.0.0.1:$APISERVER_PORT, logs in $STATE_DIR/*.log"
   echo "$KUBECONFIG_PATH"
 }
 
@@ -469,6 +508,7 @@ cmd_pause() {
 
 cmd_status() {
   local name pid rc=0
+  log "Kubernetes release: $K8S"
   for name in "${COMPONENTS[@]}"; do
     pid="$(pid_of "$name")"
     if is_our_process "$pid" "$name"; then
