@@ -415,6 +415,31 @@ start_kubelet() {
   wait_for kubelet "kubelet /healthz" curl -fsS --max-time 2 "http://127.0.0.1:$KUBELET_HEALTHZ_PORT/healthz"
 }
 
+# Kubernetes' version skew policy: a kubelet, kube-proxy and kube-scheduler must not be newer than
+# the API server. The node's binaries are the newest release's (e2e/k8s); a control plane of the
+# oldest supported release (cluster.sh with WHEREABOUTS_E2E_K8S=min) is older, so the node refuses
+# to join it rather than run a combination Kubernetes does not support (and the node tier is run
+# against the newest release only: `make e2e-min` runs the tiers without a node).
+# Checked before the node's binaries are built (minutes), from the release they are built from
+# (e2e/k8s/go.mod), or from the kubelet itself when nothing is built.
+# minor_of VERSION: the minor of v1.MINOR.PATCH (fails when it is not one).
+minor_of() { [[ "$1" =~ ^v?1\.([0-9]+)\. ]] && echo "${BASH_REMATCH[1]}"; }
+check_version_skew() {
+  local server node server_minor node_minor
+  server="$(kubectl_admin get --raw /version | python3 -c 'import json, sys; print(json.load(sys.stdin)["gitVersion"])')" \
+    || die "could not read the API server's version (/version)"
+  if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" == 1 ]]; then
+    node="$("$BIN_DIR/kubelet" --version | awk '{print $2}')" || die "$BIN_DIR/kubelet --version failed"
+  else
+    node="$(awk '$1 == "k8s.io/kubernetes" {print $2}' "$E2E_DIR/k8s/go.mod")"
+  fi
+  server_minor="$(minor_of "$server")" || die "API server version '$server' is not v1.MINOR.PATCH"
+  node_minor="$(minor_of "$node")" || die "kubelet version '$node' is not v1.MINOR.PATCH"
+  ((node_minor <= server_minor)) \
+    || die "the node's kubelet ($node) is newer than the API server ($server): the version skew policy forbids it; run the node against the newest release's control plane (WHEREABOUTS_E2E_K8S unset or newest, in a state folder of its own)"
+  log "versions: API server $server, kubelet $node"
+}
+
 cmd_up() {
   local kubeconfig
   # (fd 8, this script's lock, is not handed to the control plane's daemons)
@@ -430,6 +455,7 @@ cmd_up() {
   for tool in containerd containerd-shim-runc-v2 runc ctr socat iptables ip6tables ip openssl curl python3 setsid; do
     command -v "$tool" >/dev/null || die "$tool not found (run e2e/install-deps.sh)"
   done
+  check_version_skew
   if [[ "${WHEREABOUTS_E2E_SKIP_BUILD:-0}" != 1 ]]; then
     "$E2E_DIR/build.sh" kubelet kube-scheduler kube-proxy crictl multus multus-daemon multus-shim || die "build failed (e2e/build.sh)"
     "$E2E_DIR/images.sh" "$IMAGES_DIR" || die "image build failed (e2e/images.sh)"
