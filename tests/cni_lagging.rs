@@ -139,3 +139,47 @@ async fn an_entry_taken_again_after_a_cut_off_del_survives_another_release() {
         );
     }
 }
+
+/// The same, with the sweep already under way: another DEL's sweep read the pool and listed the
+/// announced releases (c1's among them) before c1's ADD took its entry again, and writes after
+/// it. Taking the same entry again changes nothing in the pool, so the sweep's write, conditional
+/// on the version it read, would remove the entry the ADD just handed out. The ADD moves the pool
+/// on, and that write fails (the sweep then reads the announcements again: c1's is withdrawn).
+#[tokio::test]
+async fn a_sweep_that_listed_a_release_before_its_entry_was_taken_again_cannot_remove_it() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let first = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    let first = addresses(&first.unwrap())[0].clone();
+    let ip = first.split('/').next().unwrap();
+    let name = store
+        .reservation_names()
+        .into_iter()
+        .find(|n| n.ends_with(ip))
+        .unwrap();
+    let r = store.get_reservation(&name).await.unwrap().unwrap();
+    store.mark_releasing(&name, &r.uid).await.unwrap();
+    // The sweep's reads: the pool, then the announcements.
+    let seen = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    let releases = store.releases_of("10.0.0.0-24").await.unwrap();
+    assert_eq!(releases.len(), 1, "c1's release is announced");
+    let offset = *seen.allocations.keys().next().unwrap();
+
+    let again = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    assert_eq!(addresses(&again.unwrap())[0], first, "the entry is reused");
+    // The sweep's write, from what it read.
+    let written = store
+        .remove_allocations("10.0.0.0-24", &[offset], &seen.resource_version)
+        .await
+        .unwrap();
+    let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert!(
+        pool.allocations.values().any(|e| e.id == "c1"),
+        "c1 was handed {first} again, and the sweep removed it ({written:?}): the pool holds {:?}",
+        pool.allocations
+    );
+    assert!(
+        store.releases_of("10.0.0.0-24").await.unwrap().is_empty(),
+        "the ADD withdrew c1's announcement"
+    );
+}

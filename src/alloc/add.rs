@@ -349,15 +349,26 @@ impl<S: Datastore> Engine<'_, S> {
         let fresh = who.entry();
         let stale =
             entry.id != fresh.id || (!fresh.poduid.is_empty() && entry.poduid != fresh.poduid);
-        if stale
-            && self
-                .store
+        let written = if stale {
+            self.store
                 .replace_allocation(&pool.name, offset, entry, &fresh)
                 .await?
-                != Write::Done
-        {
-            return Ok(None);
-        }
-        Ok(ip)
+                == Write::Done
+        } else if self.target.overlapping {
+            // The claim was just renewed, withdrawing a release its container's cut-off DEL may
+            // have announced. A sweep that listed that announcement before would still remove
+            // the entry with a write conditional on the version it read, since taking the same
+            // entry again changes nothing: move the pool on (the version read here showed the
+            // entry), and that write fails and reads the announcements again.
+            matches!(
+                self.store
+                    .touch_pool(&pool.name, &pool.resource_version)
+                    .await?,
+                PoolWrite::Done(_)
+            )
+        } else {
+            true
+        };
+        Ok(ip.filter(|_| written))
     }
 }

@@ -93,6 +93,11 @@ pub const RENEWED_ANNOTATION: &str = "whereabouts.cni.cncf.io/renewed";
 /// a turn holder then removes it together with every other announced release in one write, and
 /// no claims list mistakes it for a claim still waiting to be recorded.
 pub const RELEASING_LABEL: &str = "whereabouts.cni.cncf.io/releasing";
+/// Set on a pool (to a fresh value) by an ADD that takes its attachment's entry again without
+/// changing it: the write moves the pool to a new resourceVersion, so that a release sweep that
+/// listed the announcements before the ADD withdrew its own cannot remove the entry with a write
+/// conditional on the version it read (see [`Datastore::touch_pool`]).
+pub const TAKEN_AGAIN_ANNOTATION: &str = "whereabouts.cni.cncf.io/taken-again";
 
 /// The claim bucket of a moment, in seconds since the epoch.
 pub fn claim_bucket(secs: i64) -> i64 {
@@ -277,6 +282,14 @@ pub trait Datastore: Send + Sync {
         &self,
         pool: &str,
         offsets: &[u128],
+        resource_version: &str,
+    ) -> impl Future<Output = Result<PoolWrite>> + Send;
+    /// Moves the pool to a new resourceVersion without changing its entries (an annotation,
+    /// [`TAKEN_AGAIN_ANNOTATION`]), if it is still at `resource_version`; `Conflict` otherwise.
+    /// Every other write conditional on an earlier version then fails and reads again.
+    fn touch_pool(
+        &self,
+        pool: &str,
         resource_version: &str,
     ) -> impl Future<Output = Result<PoolWrite>> + Send;
     /// Watches `pool` for versions after `resource_version`.

@@ -295,6 +295,15 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
         let r = node.run(&ns, "ADD", &ipam, &[pod.into()]);
         assert!(r[0].ok, "{pod}: {:?}", r[0]);
     }
+    // The runtime repeats an ADD of a1's container: the entry is taken again and the pool moved
+    // on (an annotation; see `Engine::reuse`), which the policy lets the node write.
+    let again = a.run(&ns, "ADD", &ipam, &["a1".into()]);
+    assert!(again[0].ok, "{:?}", again[0]);
+    let touched = ns.get_json(&["ippool", pool]).unwrap();
+    assert!(
+        touched["metadata"]["annotations"][whereabouts::store::TAKEN_AGAIN_ANNOTATION].is_string(),
+        "{touched}"
+    );
     let entries = ns.allocations(pool);
     let node_of = |pod: &str| {
         let podref = format!("{}/{pod}", ns.name);

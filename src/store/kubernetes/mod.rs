@@ -193,6 +193,10 @@ impl Datastore for KubeStore {
             .await
     }
 
+    async fn touch_pool(&self, pool: &str, resource_version: &str) -> Result<PoolWrite> {
+        self.touch(pool, resource_version).await
+    }
+
     type Changes = KubeChanges;
 
     async fn watch_pool(&self, pool: &str, resource_version: &str) -> Result<KubeChanges> {

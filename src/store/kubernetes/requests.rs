@@ -15,8 +15,8 @@ use crate::crd::{
     OverlappingRangeIPReservationSpec,
 };
 use crate::store::{
-    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, PoolClaim, PoolWrite, Result, TURN_SECONDS, Write,
-    claim_bucket, now_secs,
+    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, PoolClaim, PoolWrite, Result, TAKEN_AGAIN_ANNOTATION,
+    TURN_SECONDS, Write, claim_bucket, now_secs,
 };
 
 impl KubeStore {
@@ -46,6 +46,30 @@ impl KubeStore {
         resource_version: &str,
     ) -> Result<PoolWrite> {
         let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
+        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
+            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
+            Err(e) => match api_code(&e) {
+                Some(404) => Ok(PoolWrite::Missing),
+                Some(409) => Ok(PoolWrite::Conflict),
+                _ => Err(error("patch", format!("ippool {pool}"), e)),
+            },
+        }
+    }
+
+    /// Sets the pool's [`TAKEN_AGAIN_ANNOTATION`] to a value it has never had (the time in
+    /// nanoseconds), if the pool is still at `resource_version`: a merge patch that changes
+    /// nothing would not move the version.
+    pub(super) async fn touch(&self, pool: &str, resource_version: &str) -> Result<PoolWrite> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos()
+            .to_string();
+        let body = json!({"metadata": {
+            "resourceVersion": resource_version,
+            "annotations": {TAKEN_AGAIN_ANNOTATION: nanos},
+        }});
         let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
         match retrying(|| self.pools.patch(pool, &params, &patch)).await {
             Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),

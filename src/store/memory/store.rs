@@ -148,6 +148,10 @@ impl Datastore for MemoryStore {
         .await
     }
 
+    async fn touch_pool(&self, pool: &str, resource_version: &str) -> Result<PoolWrite> {
+        self.write_at(pool, resource_version, |_| {}).await
+    }
+
     type Changes = MemoryChanges;
 
     async fn watch_pool(&self, pool: &str, resource_version: &str) -> Result<MemoryChanges> {
