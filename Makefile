@@ -7,10 +7,13 @@ test: check helm unit e2e e2e-min node chaos-smoke fuzz-smoke
 
 # Formatting, lints and the generated-CRD drift check (a unit test compares crds/ with the types).
 # The e2e and node test crates are `test = false`, so --all-targets leaves them out: named here.
+# cargo-deny holds the dependency tree to deny.toml: licences, banned crates (a second TLS stack),
+# crates.io as the only source (advisories need the network: not here).
 check:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --test e2e --test node -- -D warnings
+	$(CARGO) deny check licenses bans sources
 
 # The Helm chart renders the same objects as config/default, and its values change only their
 # fields (helm lint + helm template against kubectl kustomize; builds helm into e2e/bin; no cluster).
@@ -80,13 +83,18 @@ release:
 demo:
 	e2e/demo.sh
 
-# Everything a fresh Debian machine needs for `make test` (apt packages, Go modules, Rust components).
+# Everything a fresh Debian machine needs for `make test` (apt packages, Go modules, Rust components,
+# cargo tools). cargo-deny, for `make check`, is pinned (and reinstalled when the pin moves); about
+# 4 minutes to build on 2 cores, once per machine.
+CARGO_DENY_VERSION := 0.20.2
 deps:
 	e2e/install-deps.sh
 	rustup component add clippy rustfmt
 	rustup target add x86_64-unknown-linux-musl aarch64-unknown-linux-musl
 	rustup toolchain install nightly --profile minimal
 	$(FUZZ) --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked
+	$(CARGO) deny --version 2>/dev/null | grep -q ' $(CARGO_DENY_VERSION)$$' \
+	  || $(CARGO) install cargo-deny --locked --version $(CARGO_DENY_VERSION)
 
 # Coverage-guided fuzzing of every input (cargo-fuzz, nightly; fuzz/, docs/reliability.md
 # "Fuzzing"). One target at a time, one process each: the machine is shared.
