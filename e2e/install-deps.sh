@@ -34,6 +34,8 @@ set -euo pipefail
 #   binutils                     readelf: the node tests check the plugin is static
 # linux/arm64 (make release, the arm64 tests):
 #   gcc-aarch64-linux-gnu        cross C compiler and linker for aarch64-unknown-linux-musl (.cargo/config.toml)
+#   libc6-dev-arm64-cross        its C headers (only Recommended by it, so --no-install-recommends
+#                                leaves them out): without them ring's C fails on <bits/libc-header-start.h>
 #   qemu-user-static             runs the arm64 binaries on this x86_64 machine in the tests
 PACKAGES=(
   openssl
@@ -57,6 +59,7 @@ PACKAGES=(
   busybox-static
   binutils
   gcc-aarch64-linux-gnu
+  libc6-dev-arm64-cross
   qemu-user-static
 )
 
