@@ -69,14 +69,16 @@ build:
 	$(CARGO) build --bins
 
 # The release binaries: static (musl), as the image and every node need them, for each platform
-# of the image: target/image/<arch>/ is what the Dockerfile's `local` stage copies for
-# `--platform linux/<arch>`. arm64 is cross-compiled (.cargo/config.toml).
+# of the image, with that platform's SBOM (e2e/sbom.sh: CycloneDX from Cargo.lock):
+# target/image/<arch>/ is what the Dockerfile's `local` stage copies for `--platform linux/<arch>`.
+# arm64 is cross-compiled (.cargo/config.toml).
 RELEASE_PLATFORMS ?= amd64:x86_64-unknown-linux-musl arm64:aarch64-unknown-linux-musl
 release:
 	set -e; for p in $(RELEASE_PLATFORMS); do \
 	  arch=$${p%%:*}; target=$${p#*:}; \
 	  $(CARGO) build --release --locked --target $$target --bins; \
 	  install -D -m 0755 -t target/image/$$arch target/$$target/release/whereabouts target/$$target/release/whereabouts-operator; \
+	  CARGO=$(CARGO) e2e/sbom.sh $$target target/image/$$arch/sbom.cdx.json; \
 	done
 
 # The README's demo: a local control plane, the operator, the webhook, sample NADs, pods; cleans up.
@@ -84,9 +86,11 @@ demo:
 	e2e/demo.sh
 
 # Everything a fresh Debian machine needs for `make test` (apt packages, Go modules, Rust components,
-# cargo tools). cargo-deny, for `make check`, is pinned (and reinstalled when the pin moves); about
-# 4 minutes to build on 2 cores, once per machine.
+# cargo tools). The supply-chain tools are pinned (and reinstalled when the pin moves): cargo-deny
+# for `make check`, cargo-cyclonedx for the images' SBOMs (e2e/sbom.sh; the Dockerfile's builder
+# pins the same). About 4 minutes each to build on 2 cores, once per machine.
 CARGO_DENY_VERSION := 0.20.2
+CARGO_CYCLONEDX_VERSION := 0.5.9
 deps:
 	e2e/install-deps.sh
 	rustup component add clippy rustfmt
@@ -95,6 +99,8 @@ deps:
 	$(FUZZ) --version >/dev/null 2>&1 || $(CARGO) install cargo-fuzz --locked
 	$(CARGO) deny --version 2>/dev/null | grep -q ' $(CARGO_DENY_VERSION)$$' \
 	  || $(CARGO) install cargo-deny --locked --version $(CARGO_DENY_VERSION)
+	$(CARGO) cyclonedx --version 2>/dev/null | grep -q ' $(CARGO_CYCLONEDX_VERSION)$$' \
+	  || $(CARGO) install cargo-cyclonedx --locked --version $(CARGO_CYCLONEDX_VERSION)
 
 # Coverage-guided fuzzing of every input (cargo-fuzz, nightly; fuzz/, docs/reliability.md
 # "Fuzzing"). One target at a time, one process each: the machine is shared.

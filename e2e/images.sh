@@ -2,19 +2,22 @@
 # Builds the OCI images the real node runs (e2e/node.sh), with no registry and no base image:
 #   localhost/whereabouts:<tag>  the repo's Dockerfile, stage `local`, linux/amd64: the static
 #                                binaries of `cargo build --release --target x86_64-unknown-linux-musl`
-#                                (copied to target/image/amd64/, as `make release` does)
+#                                and their SBOM (e2e/sbom.sh), in target/image/amd64/ as `make release`
+#                                puts them
 #   localhost/pause:3.10         Kubernetes' own pause.c (from the pinned k8s.io/kubernetes
 #                                module), compiled statically with musl-gcc
 #   localhost/busybox:latest     Debian's busybox-static and its applet links, for test pods
 #   localhost/multus-thick:v4.3.0  Multus's thick mode (multus-daemon, multus-shim) for the node
 #                                tier's thick-mode test
 # Each goes to an OCI archive in the output folder; `images.env` there names them:
-#   WHEREABOUTS_IMAGE=localhost/whereabouts:<tag>  (the tag is a digest of the two binaries, so
-#   a rebuild is a new tag and a node never runs a stale image under an old name)
+#   WHEREABOUTS_IMAGE=localhost/whereabouts:<tag>  (the tag is a digest of the two binaries, the
+#   SBOM and the Dockerfile, so a rebuild is a new tag and a node never runs a stale image under an
+#   old name)
 #   PAUSE_IMAGE=...  BUSYBOX_IMAGE=...  and *_ARCHIVE=<path> for each.
 #
 # Usage: e2e/images.sh [OUTDIR]    (default e2e/.images; progress on stderr, nothing on stdout)
-# Needs: buildah (Debian), musl-tools, busybox-static, go (for the module path of pause.c).
+# Needs: buildah (Debian), musl-tools, busybox-static, go (for the module path of pause.c),
+# cargo-cyclonedx (make deps).
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -60,7 +63,9 @@ log "static binaries: $CARGO build --release --locked --target $TARGET --bins"
 (cd "$REPO" && "$CARGO" build --release --locked --target "$TARGET" --bins >&2)
 bins=("$REPO/target/$TARGET/release/whereabouts" "$REPO/target/$TARGET/release/whereabouts-operator")
 install -D -m 0755 -t "$REPO/target/image/amd64" "${bins[@]}"
-digest="$(cat "${bins[@]}" "$REPO/Dockerfile" | sha256sum | cut -c1-12)"
+sbom="$REPO/target/image/amd64/sbom.cdx.json"
+CARGO="$CARGO" "$E2E_DIR/sbom.sh" "$TARGET" "$sbom"
+digest="$(cat "${bins[@]}" "$sbom" "$REPO/Dockerfile" | sha256sum | cut -c1-12)"
 WHEREABOUTS_IMAGE="localhost/whereabouts:dev-$digest"
 build whereabouts "$WHEREABOUTS_IMAGE" "$REPO" "$digest" --target local -f "$REPO/Dockerfile" \
   --platform linux/amd64 --build-arg TARGETARCH=amd64

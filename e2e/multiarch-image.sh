@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The multi-arch image, built as the README's "Multi-arch image" says: `make release`'s binaries
-# (target/image/amd64/, target/image/arm64/), one image per platform from the Dockerfile's `local`
-# stage, joined in one image index (`buildah manifest`), written as an OCI archive:
+# and SBOMs (target/image/amd64/, target/image/arm64/), one image per platform from the
+# Dockerfile's `local` stage, joined in one image index (`buildah manifest`), written as an OCI
+# archive, with each platform's SBOM beside it:
 #
 #   localhost/whereabouts:multiarch  ->  OUTDIR/whereabouts-multiarch.tar
+#                                        OUTDIR/whereabouts-multiarch-{amd64,arm64}.cdx.json
 #
 # Then the archive is checked as a registry client would read it: its index lists exactly
 # linux/amd64 and linux/arm64, and each platform's image holds the two binaries, static, built for
-# that platform's machine (x86-64, AArch64), byte for byte those of target/image/<arch>/.
+# that platform's machine (x86-64, AArch64), byte for byte those of target/image/<arch>/, and the
+# SBOM of that platform's build at /usr/share/doc/whereabouts/sbom.cdx.json, byte for byte the one
+# beside the archive. (What the SBOM lists is checked by tests/e2e/supply.rs.)
 #
 # Usage: e2e/multiarch-image.sh [OUTDIR]   (default e2e/.images; needs buildah, python3; run
 # `make release` first). Progress on stderr.
@@ -28,6 +32,9 @@ for arch in "${PLATFORMS[@]}"; do
   for bin in whereabouts whereabouts-operator; do
     [[ -x "$REPO/target/image/$arch/$bin" ]] || die "target/image/$arch/$bin missing (make release)"
   done
+  # No image without its SBOM: an image that cannot say what it is built from is not shipped.
+  [[ -s "$REPO/target/image/$arch/sbom.cdx.json" ]] \
+    || die "target/image/$arch/sbom.cdx.json missing (make release makes it with e2e/sbom.sh)"
 done
 # A storage of its own (images.sh's ends each build with `rmi --all`).
 bah() { buildah --storage-driver vfs --root "$OUT/storage-multiarch" --runroot "$OUT/run-multiarch" "$@"; }
@@ -45,6 +52,9 @@ done
 rm -f "$ARCHIVE"
 bah manifest push --quiet --all "$IMAGE" "oci-archive:$ARCHIVE:$IMAGE" >&2
 bah rmi --all --force >/dev/null 2>&1 || true
+for arch in "${PLATFORMS[@]}"; do
+  cp "$REPO/target/image/$arch/sbom.cdx.json" "${ARCHIVE%.tar}-$arch.cdx.json"
+done
 
 # ------------------------------------------------------------------ the check
 log "checking $ARCHIVE"
@@ -53,6 +63,7 @@ import hashlib, io, json, sys, tarfile
 
 archive, binaries = sys.argv[1], sys.argv[2]
 MACHINES = {"amd64": 0x3E, "arm64": 0xB7}
+TRIPLES = {"amd64": "x86_64-unknown-linux-musl", "arm64": "aarch64-unknown-linux-musl"}
 outer = tarfile.open(archive)
 
 def blob(digest):
@@ -90,6 +101,13 @@ for m in image_index["manifests"]:
         assert 3 not in types, f"{p['architecture']} {name} is dynamically linked"
         with open(f"{binaries}/{p['architecture']}/{name}", "rb") as f:
             assert f.read() == data, f"{p['architecture']} {name} is not target/image's"
+    sbom = files.get("usr/share/doc/whereabouts/sbom.cdx.json")
+    assert sbom is not None, f"{p['architecture']}: no /usr/share/doc/whereabouts/sbom.cdx.json"
+    with open(archive.removesuffix(".tar") + f"-{p['architecture']}.cdx.json", "rb") as f:
+        assert f.read() == sbom, f"{p['architecture']}: the image's SBOM is not the one beside the archive"
+    triple = {q["name"]: q["value"] for q in json.loads(sbom)["metadata"]["properties"]}
+    triple = triple["cdx:rustc:sbom:target:triple"]
+    assert triple == TRIPLES[p["architecture"]], f"{p['architecture']}: SBOM of {triple}"
     found[p["architecture"]] = manifest["config"]["digest"]
 assert sorted(found) == ["amd64", "arm64"], f"platforms in the index: {sorted(found)}"
 print(f"[multiarch-image] index {top['digest'][:19]}: " + ", ".join(f"linux/{a}" for a in sorted(found)), file=sys.stderr)

@@ -101,12 +101,17 @@ fn host_plugin_is(want: &Path) -> Result<(), String> {
         .ok_or_else(|| format!("{PLUGIN} ({} bytes) is not {}", host.len(), want.display()))
 }
 
-/// Our release binaries are those of the node's image (its tag is their digest, e2e/images.sh):
-/// otherwise "the host's plugin is ours" could not be told from the bytes.
+/// Our release binaries are those of the node's image (its tag is the digest of them, their SBOM
+/// and the Dockerfile, e2e/images.sh): otherwise "the host's plugin is ours" could not be told
+/// from the bytes.
 fn our_plugin_is_the_images() {
     let bins = ["whereabouts", "whereabouts-operator"].map(release_binary);
+    let inputs = [
+        repo().join("target/image/amd64/sbom.cdx.json"),
+        repo().join("Dockerfile"),
+    ];
     let mut bytes = vec![];
-    for f in bins.iter().chain([&repo().join("Dockerfile")]) {
+    for f in bins.iter().chain(&inputs) {
         bytes.extend(std::fs::read(f).unwrap_or_else(|e| panic!("{}: {e}", f.display())));
     }
     let digest = sha256_hex(&bytes);
