@@ -3,11 +3,12 @@
 #   etcd, kube-apiserver, kube-controller-manager, kubectl
 # and, for the real node of e2e/node.sh, kubelet, kube-scheduler, kube-proxy and crictl,
 # and, for the chart test e2e/helm-test.sh, helm,
+# and, for signing and verifying the image offline (e2e/sign-image.sh), cosign,
 # and Multus's thin plugin (`multus`, the node's CNI) and its thick mode (`multus-daemon`,
 # `multus-shim`) from the source archive in
 # ../shared/vendor (WHEREABOUTS_E2E_MULTUS_SOURCE overrides; never copied into the repository),
-# from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod
-# and e2e/helm/go.mod,
+# from the Go modules pinned in e2e/etcd/go.mod, e2e/k8s/go.mod, e2e/cri-tools/go.mod,
+# e2e/helm/go.mod and e2e/cosign/go.mod,
 # and, only when named, the oldest supported Kubernetes release's control plane
 # (`min/kube-apiserver`, `min/kube-controller-manager` -> e2e/bin/min/) from e2e/k8s-min/go.mod,
 # for `make e2e-min` (a cold Go cache takes as long as the newest release's: not built by default).
@@ -44,7 +45,8 @@ module_of() {
     min/kube-apiserver|min/kube-controller-manager) echo "$E2E_DIR/k8s-min" ;;
     crictl) echo "$E2E_DIR/cri-tools" ;;
     helm) echo "$E2E_DIR/helm" ;;
-    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, multus, multus-daemon, multus-shim, min/kube-apiserver, min/kube-controller-manager)" ;;
+    cosign) echo "$E2E_DIR/cosign" ;;
+    *) die "unknown binary '$1' (want etcd, kube-apiserver, kube-controller-manager, kubectl, kubelet, kube-scheduler, kube-proxy, crictl, helm, cosign, multus, multus-daemon, multus-shim, min/kube-apiserver, min/kube-controller-manager)" ;;
   esac
 }
 package_of() {
@@ -52,6 +54,7 @@ package_of() {
     etcd) echo "go.etcd.io/etcd/server/v3" ;; # module root is etcd's main package
     crictl) echo "sigs.k8s.io/cri-tools/cmd/crictl" ;;
     helm) echo "helm.sh/helm/v3/cmd/helm" ;;
+    cosign) echo "github.com/sigstore/cosign/v3/cmd/cosign" ;;
     *) echo "k8s.io/kubernetes/cmd/${1#min/}" ;;
   esac
 }
@@ -146,6 +149,8 @@ build_one() {
     etcd) ;;
     crictl) ldflags+=" -X sigs.k8s.io/cri-tools/pkg/version.Version=$(cd "$mod_dir" && go list -m -f '{{.Version}}' sigs.k8s.io/cri-tools)" ;;
     helm) ldflags+="$(helm_ldflags "$mod_dir")" ;;
+    # `cosign version` reports the pinned release (upstream's Makefile sets the same variable).
+    cosign) ldflags+=" -X sigs.k8s.io/release-utils/version.gitVersion=$(cd "$mod_dir" && go list -m -f '{{.Version}}' github.com/sigstore/cosign/v3)" ;;
     *) ldflags+="$(version_ldflags "$mod_dir")" ;;
   esac
   # `go mod edit -json` rather than the raw go.mod: comment edits don't count.

@@ -13,9 +13,12 @@ trap cleanup EXIT
 
 e2e/cluster.sh up >/dev/null
 cargo build --bins
-# The release binaries of both platforms (target/image/{amd64,arm64}/): tests/e2e/arm64.rs runs
-# the arm64 ones under qemu and packages both in the multi-arch image.
+# The release binaries of both platforms and their SBOMs (target/image/{amd64,arm64}/):
+# tests/e2e/arm64.rs runs the arm64 ones under qemu; both go into the multi-arch image, whose SBOMs
+# and signature tests/e2e/supply.rs checks.
 make --no-print-directory release >&2
+# cosign, for the signed image (tests/e2e/supply.rs, e2e/sign-image.sh).
+e2e/build.sh cosign
 # Upstream's plugin (v0.9.2) for the mixed-fleet tests (tests/e2e/slices.rs).
 [[ -x bench/bin/whereabouts-upstream ]] || bench/build.sh --upstream-only
 # Tests run in parallel, each in its own namespace; two threads keep a 2-core machine responsive.
