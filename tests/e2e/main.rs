@@ -17,5 +17,6 @@ mod node_limits;
 mod operator;
 mod slices;
 mod status;
+mod supply;
 mod trust;
 mod webhook;
