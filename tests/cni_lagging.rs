@@ -102,6 +102,19 @@ async fn an_add_repeated_after_its_del_is_recorded_whatever_the_cache_shows() {
     }
 }
 
+/// What a DEL does before it removes its entry of `address` (CIDR notation): announce the
+/// release on the address's reservation.
+async fn announce_release(store: &MemoryStore, address: &str) {
+    let ip = address.split('/').next().unwrap();
+    let name = store
+        .reservation_names()
+        .into_iter()
+        .find(|n| n.ends_with(ip))
+        .unwrap();
+    let r = store.get_reservation(&name).await.unwrap().unwrap();
+    store.mark_releasing(&name, &r.uid).await.unwrap();
+}
+
 /// Seen in the 10-node storm (issue 28): a DEL announced its container's release, then ran out of
 /// time before removing the entry; the runtime's next ADD of that container reused the entry and
 /// succeeded, but the announcement stayed, so a later DEL of another pod of the node swept the
@@ -119,15 +132,7 @@ async fn an_entry_taken_again_after_a_cut_off_del_survives_another_release() {
         let first = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
         let first = addresses(&first.unwrap())[0].clone();
         run(&store, Command::Add, &ipam, "c2", "p2").await.unwrap();
-        // What a DEL of c1 does before it removes the entry: announce the release.
-        let ip = first.split('/').next().unwrap();
-        let name = store
-            .reservation_names()
-            .into_iter()
-            .find(|n| n.ends_with(ip))
-            .unwrap();
-        let r = store.get_reservation(&name).await.unwrap().unwrap();
-        store.mark_releasing(&name, &r.uid).await.unwrap();
+        announce_release(&store, &first).await;
         let again = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
         assert_eq!(addresses(&again.unwrap())[0], first, "the entry is reused");
         run(&store, Command::Del, &ipam, "c2", "p2").await.unwrap();
@@ -151,14 +156,7 @@ async fn a_sweep_that_listed_a_release_before_its_entry_was_taken_again_cannot_r
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
     let first = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
     let first = addresses(&first.unwrap())[0].clone();
-    let ip = first.split('/').next().unwrap();
-    let name = store
-        .reservation_names()
-        .into_iter()
-        .find(|n| n.ends_with(ip))
-        .unwrap();
-    let r = store.get_reservation(&name).await.unwrap().unwrap();
-    store.mark_releasing(&name, &r.uid).await.unwrap();
+    announce_release(&store, &first).await;
     // The sweep's reads: the pool, then the announcements.
     let seen = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
     let releases = store.releases_of("10.0.0.0-24").await.unwrap();
