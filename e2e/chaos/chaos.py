@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from history import History  # noqa: E402
 from kube import Kube  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +136,7 @@ class Fleet:
         self.live_procs = {}  # id -> (Popen, member, command)
         self.procs_lock = threading.Lock()
         self.netconf = {}
+        self.history = None
 
     # ---- setup
 
@@ -146,6 +148,10 @@ class Fleet:
                 raise RuntimeError("ServiceAccount default was not created")
             time.sleep(0.2)
         subprocess.run(["cp", self.args.kubeconfig, str(self.kubeconfig)], check=True)
+        # Every version of the pools and reservations, for the post-mortem of a violation
+        # (e2e/chaos/history.py WORK ADDRESS).
+        self.history = History(KUBECTL, self.args.kubeconfig, self.ns, self.work)
+        self.history.start()
         subprocess.run([str(KUBECTL), "--kubeconfig", str(self.kubeconfig), "config",
                         "set-context", "--current", f"--namespace={self.ns}"],
                        check=True, capture_output=True)
@@ -210,6 +216,8 @@ class Fleet:
         out.close()
 
     def teardown(self):
+        if self.history is not None:
+            self.history.stop()
         for p in [self.agent, *self.operators.values()]:
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -657,9 +665,13 @@ def main():
     if args.json:
         args.json.write_text(json.dumps({k: v for k, v in report.items()}, indent=1))
     if report["violations"]:
-        log(f"{report['violations']} violations (seed {args.seed}); logs in {work}")
+        log(f"{report['violations']} violations (seed {args.seed}); logs in {work}; the writes "
+            f"of an address: python3 e2e/chaos/history.py {work} ADDRESS")
         sys.exit(1)
     kube.ok("DELETE", f"/api/v1/namespaces/{fleet.ns}", allow=(404,))
+    # Kept only for a post-mortem: a 20-round history runs to hundreds of megabytes.
+    for f in work.glob("history-*.json"):
+        f.unlink()
     log(f"no violations; logs in {work}")
 
 
