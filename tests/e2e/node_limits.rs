@@ -114,14 +114,12 @@ fn the_node_identity_writes_only_writer_turn_leases_in_its_own_priority_level() 
             && String::from_utf8_lossy(&out.stderr)
                 .contains("the whereabouts node identity may only write pools' writer turns")
     };
-    // The policy is enforced once the API server has loaded it: a leader Lease of the control
-    // plane is refused to the node, with the reason.
-    assert!(
-        eventually(30, || denied(&as_node(
-            &["create", "-f", "-"],
-            Some(&lease("kube-scheduler", false))
-        ))),
-        "the node identity could create Lease kube-scheduler"
+    // A leader Lease of the control plane is refused to the node, with the reason.
+    refused_once_loaded(
+        &node,
+        &["create", "-f", "-"],
+        Some(&lease("kube-scheduler", false)),
+        "the whereabouts node identity may only write pools' writer turns",
     );
     // A writer turn is its to create and delete.
     let out = as_node(
@@ -208,6 +206,24 @@ fn node_rights(ns: &Ns) {
     assert_eq!(objects.len(), 14, "{objects:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
     admin(&["apply", "-f", "-"], Some(&list.to_string()));
+}
+
+/// Runs `args` with `kubeconfig` and asserts that the API server refuses it with `why`. An
+/// admission policy takes effect a while after it is created, so this first waits until a
+/// server-side dry run of the same request is refused (policies judge dry runs too, and nothing
+/// is written): the real request can then only fail, and must.
+fn refused_once_loaded(kubeconfig: &Path, args: &[&str], stdin: Option<&str>, why: &str) {
+    let refused = |out: &std::process::Output| {
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(why)
+    };
+    let dry_run = [args, &["--dry-run=server"]].concat();
+    assert!(
+        eventually(60, || refused(&kubectl_raw(kubeconfig, &dry_run, stdin))),
+        "never refused with {why:?}: {}",
+        String::from_utf8_lossy(&kubectl_raw(kubeconfig, &dry_run, stdin).stderr)
+    );
+    let out = kubectl_raw(kubeconfig, args, stdin);
+    assert!(refused(&out), "not refused with {why:?}: {out:?}");
 }
 
 /// Writes IPAMClaim `ns/name`'s `status.ips` as the plugin does (`KubeStore`, whose kubeconfig is
@@ -323,32 +339,26 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     // in b's name, no pods listed.
     let b1 = node_of("b1").0;
     let remove = json!([{"op": "remove", "path": format!("/spec/allocations/{b1}")}]).to_string();
-    // (Refused once the API server has loaded the policy.)
+    // (Each policy's refusal is first awaited: see `refused_once_loaded`.)
     let why = format!("it changed {b1} (node {} to removed)", b.name);
     let patch = ["patch", "ippool", pool, "--type=json", "-p", &remove];
-    assert!(
-        eventually(30, || {
-            let out = kubectl_raw(&a_creds, &patch, None);
-            assert!(!out.status.success(), "node a removed node b's entry");
-            String::from_utf8_lossy(&out.stderr).contains(&why)
-        }),
-        "{}",
-        String::from_utf8_lossy(&kubectl_raw(&a_creds, &patch, None).stderr)
-    );
+    refused_once_loaded(&a_creds, &patch, None, &why);
     // No pool can be deleted (RBAC, and the policy too).
     let out = kubectl_raw(&a_creds, &["delete", "ippool", pool], None);
     denied(&out, "forbidden");
     let b1_claim = format!("10.94.0.{b1}");
-    let out = kubectl_raw(
-        &a_creds,
-        &["delete", "overlappingrangeipreservation", &b1_claim],
-        None,
-    );
-    denied(&out, &format!("not {b1_claim} (node {})", b.name));
+    let delete = ["delete", "overlappingrangeipreservation", &b1_claim];
+    let why = format!("not {b1_claim} (node {})", b.name);
+    refused_once_loaded(&a_creds, &delete, None, &why);
     let claim = json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
         "metadata": {"name": "10.94.0.99"}, "spec": {"podref": "x/y", "containerid": "c", "node": b.name}});
-    let out = kubectl_raw(&a_creds, &["create", "-f", "-"], Some(&claim.to_string()));
-    denied(&out, "may write only its own node's reservations");
+    let why = "may write only its own node's reservations";
+    refused_once_loaded(
+        &a_creds,
+        &["create", "-f", "-"],
+        Some(&claim.to_string()),
+        why,
+    );
     let out = kubectl_raw(&a_creds, &["get", "pods", "-A"], None);
     denied(&out, "cannot list resource \"pods\"");
     assert!(ns.allocations(pool).contains_key(&b1));
@@ -363,10 +373,16 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     let take = |i: usize| {
         let mut read = ns.get_json(&["nodeslicepool", "sliced"]).unwrap();
         read["status"]["allocations"][i]["nodeName"] = a.name.clone().into();
-        kubectl_raw(&a_creds, &["replace", "-f", "-"], Some(&read.to_string()))
+        read.to_string()
     };
-    denied(&take(0), "may only take free slices");
-    let out = take(1);
+    let replace = ["replace", "-f", "-"];
+    refused_once_loaded(
+        &a_creds,
+        &replace,
+        Some(&take(0)),
+        "may only take free slices",
+    );
+    let out = kubectl_raw(&a_creds, &replace, Some(&take(1)));
     assert!(
         out.status.success(),
         "{}",
