@@ -3,7 +3,8 @@
 invariants checked after every round. See e2e/chaos/README.md; figures in docs/reliability.md.
 
 One round, on one dual-stack network (one IPv4 and one IPv6 pool); with --overlap also on a second
-network whose IPv4 range overlaps the first's (its own NAD and pool, the same addresses):
+network whose IPv4 range overlaps the first's (its own NAD and pool, the same addresses); with
+--shared-name every NAD names one `network_name`, and a third NAD shares the first's pools:
   * new Pod objects are created, and each gets an ADD from a fleet member picked at random: our
     plugin through the node agent, our plugin on its own, or upstream's v0.9.2 plugin;
   * at the same time about half of the live pods go away: most with a DEL and then the Pod
@@ -15,19 +16,18 @@ network whose IPv4 range overlaps the first's (its own NAD and pool, the same ad
     until it succeeds, and the sandbox is retried with a new container id (3 tries, then the pod
     is deleted).
 Then the invariants: no address held by two live attachments (pool entries and overlapping-range
-reservations), every live attachment's addresses present in the pool and reserved; after the
-operator converges, no pool entry and no reservation without its live attachment.
+reservations), nor by two attachments at any moment of the burst (ledger.py), every live
+attachment's addresses present in the pool and reserved; after the operator converges, no pool
+entry and no reservation without its live attachment.
 
 Python standard library only.
 """
 
 import argparse
-import datetime
 import ipaddress
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -37,13 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from history import History  # noqa: E402
+from invariants import check_round, panics  # noqa: E402
+from ledger import Ledger  # noqa: E402
 from kube import Kube  # noqa: E402
+from report import summary, violation_list  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = ROOT / "e2e" / "cluster.sh"
 KUBECTL = ROOT / "e2e" / "bin" / "kubectl"
 RELEASE = ROOT / "target" / "x86_64-unknown-linux-musl" / "release"
-GROUP = "/apis/whereabouts.cni.cncf.io/v1alpha1"
 NAD_API = "/apis/k8s.cni.cncf.io/v1"
 NETWORK = "chaosnet"
 IFNAME = "net1"
@@ -58,15 +60,27 @@ NETWORK_B_SHARE = 0.3  # share of new pods attached to it
 # (`IPAM error updating pool (attempt: 28)`), runs into its own deadlines and past HANG_S: so the
 # second network is opt-in (--overlap), not part of the smoke run. Its pods are ours only.
 NETWORK_B_MEMBERS = ("agent", "direct")
-RANGES = {NETWORK: [V4, V6], NETWORK_B: [V4_B]}
+# With --shared-name: one `network_name` in every NAD (pools and reservations are named after it),
+# and a third NAD of the same ranges as the first, so two NADs write the same pools and the
+# operator must map both NADs' pods (network-status) to them.
+SHARED_NAME, NETWORK_C = "chaosshared", "chaosnet-c"
+NETWORK_C_SHARE = 0.3
+RANGES = {NETWORK: [V4, V6], NETWORK_B: [V4_B], NETWORK_C: [V4, V6]}
 MEMBERS = ("agent", "direct", "upstream")
 API_FAULTS = ("apiserver-crash", "etcd-crash", "etcd-restart", "apiserver-pause")
 
 ADD_TRIES = 3  # sandbox attempts before the pod is given up (deleted)
+# A share of the pods that go with a DEL are evicted first (what `kubectl drain` and the
+# autoscaler do): bound to a node that has no Node object (no kubelet, and the taint manager has
+# nothing to say), evicted with a grace period, and DELed only after EVICTION_GRACE_S: in between
+# their containers run and the operator must keep their addresses (the ledger would see a
+# duplicate). PodGC deletes pods of a node without an object only after 40 s.
+EVICT_SHARE = 0.25
+EVICTION_GRACE_S = (1.0, 4.0)
+GONE_NODE = "chaos-node-without-object"
 PLUGIN_KILL_P = 0.08  # share of plugin processes killed mid-call
 HANG_S = 150  # a plugin call running longer than this is a hang (a violation)
 DEL_RETRY_S = 180  # a DEL not done by then is stuck (a violation)
-CONVERGE_S = 120  # pools must hold only live attachments within this time after a round
 AUDIT_INTERVAL, STALE_GRACE = "2s", "5s"  # the operator's, shortened for the test
 # The youngest orphan claim the operator sweeps: shortened too, so that a killed plugin's claim is
 # gone within CONVERGE_S, but still above the longest an ADD of this tier holds a claim unrecorded
@@ -137,6 +151,7 @@ class Fleet:
         self.procs_lock = threading.Lock()
         self.netconf = {}
         self.history = None
+        self.ledger = Ledger()  # every attachment's span, for duplicates within a burst
 
     # ---- setup
 
@@ -168,9 +183,11 @@ class Fleet:
                 # Each member is a node of its own: its own bound on plugins at work.
                 flat["plugin_slots_dir"] = str(self.work / f"{member}-slots")
             (self.work / f"{member}.conf").write_text(json.dumps(flat))
-        networks = RANGES if self.args.overlap else {NETWORK: RANGES[NETWORK]}
-        for network, cidrs in networks.items():
-            ranges = {"ipRanges": [{"range": c} for c in cidrs]}
+        networks = [NETWORK] + [NETWORK_B] * self.args.overlap + [NETWORK_C] * self.args.shared_name
+        for network in networks:
+            ranges = {"ipRanges": [{"range": c} for c in RANGES[network]]}
+            if self.args.shared_name:
+                ranges["network_name"] = SHARED_NAME
             for member in MEMBERS:
                 ipam = {"type": "whereabouts",
                         "configuration_path": str(self.work / f"{member}.conf"),
@@ -357,6 +374,7 @@ class Round:
                     self.counts.violation("bad-result", f"ADD from {member}: {e}: {out[:300]!r}")
                     ips = []
                 if len(ips) == len(RANGES[pod.get("net", NETWORK)]):
+                    self.fleet.ledger.added(pod["name"], cid, ips)
                     with self.lock:
                         self.live[pod["name"]] = {**pod, "cid": cid, "member": member, "ips": ips}
                     self.annotate(pod, ips)
@@ -390,11 +408,29 @@ class Round:
             delay = min(delay * 2, 3.0)
 
     def detach(self, att, with_del, member):
+        if with_del and self.rng_for(f"{att['name']}-evict").random() < EVICT_SHARE:
+            self.evict(att)
+        self.fleet.ledger.releasing(att["name"], att["cid"])
         if with_del:
             self.detach_cni(att, member, att["cid"])
         else:
             self.counts.add("pods-vanished")
         self.delete_pod(att)
+
+    def evict(self, att):
+        """A graceful eviction through the Eviction API, then the grace period during which the
+        pod's containers still run (its DEL comes after)."""
+        pods = f"/api/v1/namespaces/{self.fleet.ns}/pods/{att['name']}"
+        # (409: bound in an earlier round's try, whose eviction failed.)
+        self.fleet.kube.ok("POST", f"{pods}/binding", {
+            "apiVersion": "v1", "kind": "Binding", "metadata": {"name": att["name"]},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": GONE_NODE}}, allow=(409,))
+        self.fleet.kube.ok("POST", f"{pods}/eviction", {
+            "apiVersion": "policy/v1", "kind": "Eviction",
+            "metadata": {"name": att["name"], "namespace": self.fleet.ns},
+            "deleteOptions": {"gracePeriodSeconds": 60}})
+        self.counts.add("pods-evicted")
+        time.sleep(self.rng_for(f"{att['name']}-grace").uniform(*EVICTION_GRACE_S))
 
     def annotate(self, pod, ips):
         """The network-status Multus writes once the pod's networks are attached."""
@@ -478,6 +514,10 @@ class Round:
         for p in pods:
             overlap = self.fleet.args.overlap and self.rng.random() < NETWORK_B_SHARE
             p["net"] = NETWORK_B if overlap else NETWORK
+            # (Its own generator: a seed's other decisions stay as they were without the option.)
+            shared = self.rng_for(f"{p['name']}-shared").random() < NETWORK_C_SHARE
+            if p["net"] == NETWORK and self.fleet.args.shared_name and shared:
+                p["net"] = NETWORK_C
         plans = {p["name"]: (self.member(network=p["net"]),
                              [self.kill_after() for _ in range(ADD_TRIES)])
                  for p in pods}
@@ -511,103 +551,6 @@ def error_kind(out, err):
         return "no-result"
 
 
-# ------------------------------------------------------------------- invariants
-
-
-def cluster_state(kube, ns):
-    """Pool entries (ip -> [(podref, containerid)]) and reservations (ip -> podref)."""
-    entries = {}
-    for pool in kube.items(f"{GROUP}/namespaces/{ns}/ippools"):
-        net = ipaddress.ip_network(pool["spec"]["range"], strict=False)
-        for off, a in (pool["spec"].get("allocations") or {}).items():
-            ip = str(net.network_address + int(off))
-            entries.setdefault(ip, []).append((a.get("podref"), a.get("id")))
-    resv = {}
-    for r in kube.items(f"{GROUP}/namespaces/{ns}/overlappingrangeipreservations"):
-        ip = str(ipaddress.ip_address(r["metadata"]["name"].replace("-", ":")
-                                      if "-" in r["metadata"]["name"]
-                                      and "." not in r["metadata"]["name"]
-                                      else r["metadata"]["name"]))
-        resv[ip] = r["spec"].get("podref")
-    return entries, resv
-
-
-def safety(live, ns, entries, resv):
-    """Violations that must never happen, at any moment: duplicates and lost addresses. Returns
-    (problems, unclaimed): `unclaimed` are upstream's attachments whose reservation is missing,
-    which are not violations yet but work the audit must finish: upstream's v0.9.2 ADD that finds
-    a reservation of its own pod on its first range (a killed DEL of an earlier sandbox left it)
-    reuses it and then creates none for its later ranges, and the audit re-creates them
-    (tests/e2e/claims.rs, `upstreams_second_range_left_unclaimed_...`)."""
-    problems, unclaimed = [], []
-    holders = {}
-    for att in live.values():
-        for ip in att["ips"]:
-            holders.setdefault(ip, []).append(att["name"])
-    for ip, names in holders.items():
-        if len(names) > 1:
-            problems.append(f"duplicate: {ip} held by {names}")
-    for att in live.values():
-        ref = f"{ns}/{att['name']}"
-        for ip in att["ips"]:
-            if (ref, att["cid"]) not in entries.get(ip, []):
-                problems.append(f"missing-in-pool: {ip} of {ref} ({att['member']}, {att['cid']}); "
-                                f"pool has {entries.get(ip)}")
-            if resv.get(ip) is None and att["member"] == "upstream":
-                unclaimed.append(f"unclaimed upstream entry {ip} of {ref}")
-            elif resv.get(ip) != ref:
-                problems.append(f"missing-reservation: {ip} of {ref} ({att['member']}); "
-                                f"reserved for {resv.get(ip)}")
-    return problems, unclaimed
-
-
-def leaks(live, ns, entries, resv):
-    """What the operator must have cleaned once it converged: entries and reservations that no
-    live attachment holds."""
-    held = {(f"{ns}/{a['name']}", a["cid"]) for a in live.values()}
-    live_refs = {f"{ns}/{a['name']}" for a in live.values()}
-    out = []
-    for ip, owners in entries.items():
-        out += [f"pool entry {ip} {o}" for o in owners if o not in held]
-    out += [f"reservation {ip} {ref}" for ip, ref in resv.items() if ref not in live_refs]
-    return out
-
-
-def check_round(kube, fleet, live, counts):
-    """Safety now; then waits for convergence. Returns (seconds to converge or None, problems)."""
-    entries, resv = cluster_state(kube, fleet.ns)
-    problems, _ = safety(live, fleet.ns, entries, resv)
-    started = time.monotonic()
-    while True:
-        entries, resv = cluster_state(kube, fleet.ns)
-        left = leaks(live, fleet.ns, entries, resv) + safety(live, fleet.ns, entries, resv)[1]
-        if not left:
-            converged = time.monotonic() - started
-            break
-        if time.monotonic() - started > CONVERGE_S:
-            converged = None
-            problems += [f"leak: {x}" for x in left[:20]]
-            counts.violation("leak", f"{len(left)} left after {CONVERGE_S} s: {left[:5]}", len(left))
-            break
-        time.sleep(1)
-    # The operator must not have freed anything live while converging.
-    problems += safety(live, fleet.ns, entries, resv)[0]
-    problems = sorted(set(problems))
-    for p in problems:
-        if not p.startswith("leak:"):
-            counts.violation(p.split(":")[0], p.split(":", 1)[1].strip())
-    return converged, problems
-
-
-def panics(work):
-    found = []
-    for f in sorted(work.glob("*.log")):
-        text = f.read_text(errors="replace")
-        if "panicked at" in text:
-            found.append(f.name)
-    return found
-
-
 # ------------------------------------------------------------------- main
 
 
@@ -618,6 +561,9 @@ def main():
     ap.add_argument("--pods", type=int, default=150, help="new pods per round")
     ap.add_argument("--overlap", action="store_true",
                     help=f"also a second network ({NETWORK_B}, {V4_B}) over the first's addresses")
+    ap.add_argument("--shared-name", action="store_true",
+                    help=f"every NAD names network_name {SHARED_NAME}; a third NAD "
+                         f"({NETWORK_C}) shares the first's pools")
     ap.add_argument("--kubeconfig", required=True, help="admin kubeconfig of e2e/cluster.sh")
     ap.add_argument("--state", required=True, help="the cluster's WHEREABOUTS_E2E_STATE")
     ap.add_argument("--plugin", type=Path, default=RELEASE / "whereabouts")
@@ -644,7 +590,8 @@ def main():
             before = counts.snapshot()
             rnd = Round(fleet, n, args.seed, live, counts)
             burst = rnd.run(args.pods, api_kind)
-            converged, problems = check_round(kube, fleet, live, counts)
+            converged, problems = check_round(kube, fleet, live, counts,
+                                             SHARED_NAME if args.shared_name else "")
             after = counts.snapshot()
             delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
             rounds.append({"round": n, "burst_s": round(burst, 1), "api_fault": api_kind,
@@ -659,7 +606,7 @@ def main():
     crashed = panics(work)
     for name in crashed:
         counts.violation("panic-in-log", name)
-    report = summary(args, rounds, counts.snapshot(), counts.latencies(), crashed)
+    report = summary(args, rounds, counts.snapshot(), counts.latencies(), crashed, ADD_TRIES)
     report["markdown"] += violation_list(counts.details)
     print(report["markdown"])
     if args.json:
@@ -673,66 +620,6 @@ def main():
     for f in work.glob("history-*.json"):
         f.unlink()
     log(f"no violations; logs in {work}")
-
-
-def violation_list(details):
-    """The report's last lines: what went wrong, the first 20 of each kind."""
-    if not details:
-        return ""
-    lines, seen = ["", f"Violations ({len(details)} found):"], {}
-    for d in details:
-        kind = d.split(":")[0]
-        seen[kind] = seen.get(kind, 0) + 1
-        if seen[kind] <= 20:
-            lines.append(f"- {d[:600]}")
-    return "\n".join(lines)
-
-
-def summary(args, rounds, counts, latencies, crashed):
-    violations = sum(v for k, v in counts.items() if k.startswith("violation:"))
-    conv = [r["converged_s"] for r in rounds if r["converged_s"] is not None]
-    takeovers = [t for r in rounds for t in r["takeover_s"]]
-    faults = {k[len("fault:"):]: v for k, v in sorted(counts.items()) if k.startswith("fault:")}
-    kills = sum(v for k, v in faults.items() if k.startswith("plugin-kill"))
-    lines = [
-        f"Chaos run: seed {args.seed}, {len(rounds)} rounds, {args.pods} new pods a round, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "",
-        "| round | API fault | burst s | converged s | live pods | ADDs | DELs | plugin kills | violations |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rounds:
-        c = r["counts"]
-        k = sum(v for key, v in c.items() if key.startswith("fault:plugin-kill"))
-        lines.append(f"| {r['round']} | {r['api_fault']} | {r['burst_s']} | "
-                     f"{r['converged_s'] if r['converged_s'] is not None else 'never'} | "
-                     f"{r['live']} | {c.get('op:add', 0)} | {c.get('op:del', 0)} | {k} | "
-                     f"{len(r['problems'])} |")
-    lines += [
-        "",
-        f"Totals: {counts.get('op:add', 0)} ADDs, {counts.get('op:del', 0)} DELs, "
-        f"{counts.get('pods-vanished', 0)} pods deleted without DEL, "
-        f"{counts.get('pods-given-up', 0)} pods given up after {ADD_TRIES} failed sandboxes; "
-        f"faults: {kills} plugin kills, "
-        + ", ".join(f"{k} {v}" for k, v in faults.items() if not k.startswith("plugin-kill"))
-        + f"; violations: {violations}"
-        + (f"; time to converge: max {max(conv):.1f} s, median "
-           f"{sorted(conv)[len(conv) // 2]:.1f} s" if conv else "")
-        + (f"; operator leader takeover: max {max(takeovers):.1f} s, median "
-           f"{sorted(takeovers)[len(takeovers) // 2]:.1f} s" if takeovers else ""),
-    ]
-    failed = {k: v for k, v in sorted(counts.items()) if "-failed:" in k}
-    if failed:
-        lines.append("")
-        lines.append("Failed calls (retried as the runtime does): "
-                     + ", ".join(f"{k} {v}" for k, v in failed.items()))
-    lines.append("")
-    lines.append("| plugin call | calls | p50 s | max s |")
-    lines.append("|---|---|---|---|")
-    for k, v in latencies.items():
-        lines.append(f"| {k} | {v['n']} | {v['p50']} | {v['max']} |")
-    return {"markdown": "\n".join(lines), "violations": violations, "rounds": rounds,
-            "counts": counts, "latencies": latencies, "panics": crashed, "seed": args.seed}
 
 
 if __name__ == "__main__":

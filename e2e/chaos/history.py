@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 RESOURCES = ("ippools", "overlappingrangeipreservations")
