@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from history import History  # noqa: E402
 from invariants import check_round, panics  # noqa: E402
-from ledger import Ledger  # noqa: E402
+from ledger import Ledger, selftest  # noqa: E402
 from kube import Kube  # noqa: E402
 from report import summary, violation_list  # noqa: E402
 
@@ -71,13 +71,16 @@ API_FAULTS = ("apiserver-crash", "etcd-crash", "etcd-restart", "apiserver-pause"
 
 ADD_TRIES = 3  # sandbox attempts before the pod is given up (deleted)
 # A share of the pods that go with a DEL are evicted first (what `kubectl drain` and the
-# autoscaler do): bound to a node that has no Node object (no kubelet, and the taint manager has
-# nothing to say), evicted with a grace period, and DELed only after EVICTION_GRACE_S: in between
-# their containers run and the operator must keep their addresses (the ledger would see a
-# duplicate). PodGC deletes pods of a node without an object only after 40 s.
+# autoscaler do): bound to EVICTION_NODE, evicted with a grace period, and DELed only after
+# EVICTION_GRACE_S: in between their containers run and the operator must keep their addresses
+# (the ledger would see a duplicate). EVICTION_NODE is a Node object without a kubelet: PodGC
+# would fail and delete at once the pods of a node that has no object (after its first 40 s),
+# which frees their addresses before the driver's DEL; this one is reported Unknown by the node
+# lifecycle controller after 40 s, and its taint evicts a pod only after the pod's 300 s
+# toleration, long after the driver deleted it.
 EVICT_SHARE = 0.25
 EVICTION_GRACE_S = (1.0, 4.0)
-GONE_NODE = "chaos-node-without-object"
+EVICTION_NODE = "chaos-node"
 PLUGIN_KILL_P = 0.08  # share of plugin processes killed mid-call
 HANG_S = 150  # a plugin call running longer than this is a hang (a violation)
 DEL_RETRY_S = 180  # a DEL not done by then is stuck (a violation)
@@ -157,6 +160,7 @@ class Fleet:
 
     def setup(self):
         self.kube.ok("POST", "/api/v1/namespaces", {"metadata": {"name": self.ns}})
+        self.kube.ok("POST", "/api/v1/nodes", {"metadata": {"name": EVICTION_NODE}}, allow=(409,))
         deadline = time.monotonic() + 60
         while self.kube.call("GET", f"/api/v1/namespaces/{self.ns}/serviceaccounts/default")[0] != 200:
             if time.monotonic() > deadline:
@@ -424,7 +428,7 @@ class Round:
         # (409: bound in an earlier round's try, whose eviction failed.)
         self.fleet.kube.ok("POST", f"{pods}/binding", {
             "apiVersion": "v1", "kind": "Binding", "metadata": {"name": att["name"]},
-            "target": {"apiVersion": "v1", "kind": "Node", "name": GONE_NODE}}, allow=(409,))
+            "target": {"apiVersion": "v1", "kind": "Node", "name": EVICTION_NODE}}, allow=(409,))
         self.fleet.kube.ok("POST", f"{pods}/eviction", {
             "apiVersion": "policy/v1", "kind": "Eviction",
             "metadata": {"name": att["name"], "namespace": self.fleet.ns},
@@ -573,6 +577,7 @@ def main():
     ap.add_argument("--work", type=Path, default=None, help="logs (default: a new /tmp folder)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
+    selftest()
     for b in (args.plugin, args.operator, args.upstream):
         if not b.is_file():
             sys.exit(f"[chaos] {b}: not found (make release; bench/build.sh --upstream-only)")
@@ -616,6 +621,7 @@ def main():
             f"of an address: python3 e2e/chaos/history.py {work} ADDRESS")
         sys.exit(1)
     kube.ok("DELETE", f"/api/v1/namespaces/{fleet.ns}", allow=(404,))
+    kube.ok("DELETE", f"/api/v1/nodes/{EVICTION_NODE}", allow=(404,))
     # Kept only for a post-mortem: a 20-round history runs to hundreds of megabytes.
     for f in work.glob("history-*.json"):
         f.unlink()

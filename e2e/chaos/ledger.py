@@ -64,3 +64,20 @@ class Ledger:
                              f"whose release began "
                              f"{'never' if released_a is None else f'{released_a - added_b:.2f} s later'}")
         return found
+
+
+def selftest():
+    """The ledger must see an overlap and must not see a reuse after a release: checked at the
+    start of every run, so that a change here cannot make the check blind unnoticed."""
+    ledger = Ledger()
+    ledger.added("a", "c1", ["10.0.0.1"])
+    ledger.releasing("a", "c1")
+    time.sleep(0.001)
+    ledger.added("b", "c2", ["10.0.0.1"])  # after a's release began: fine
+    ledger.added("c", "c3", ["10.0.0.2"])
+    ledger.added("d", "c4", ["10.0.0.2"])  # both live: the round end's to report
+    assert ledger.overlaps() == [], ledger.overlaps()
+    ledger.releasing("d", "c4")
+    found = ledger.overlaps()
+    assert len(found) == 1 and found[0].startswith("10.0.0.2 given to d"), found
+    assert ledger.overlaps() == [], "reported twice"
