@@ -15,6 +15,7 @@ mod loops;
 pub mod migration;
 pub mod nads;
 pub mod pools;
+pub mod relist;
 pub mod slices;
 pub mod status;
 pub mod usage;

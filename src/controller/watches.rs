@@ -17,6 +17,7 @@ use tokio::sync::{Notify, mpsc};
 use super::Job;
 use super::cleanup::{self, Trigger};
 use super::holders;
+use super::relist::Relist;
 use crate::crd::{IPAMClaim, IPPool, NodeSlicePool, OverlappingRangeIPReservation};
 
 /// The writers of the caches the watches fill (the NAD cache is the webhook's, filled elsewhere).
@@ -126,14 +127,29 @@ fn pod_events(
     tx: mpsc::UnboundedSender<Job>,
     holders_changed: Arc<Notify>,
 ) -> impl std::future::Future<Output = ()> {
+    let cache = writer.as_reader();
+    let mut relist = Relist::default();
     let pod_watch = watcher(Api::<Pod>::all(client), watcher::Config::default())
         .default_backoff()
         .modify(cleanup::trim)
         .reflect(writer);
     pod_watch.for_each(move |event| {
-        if let Ok(watcher::Event::Delete(_)) = &event {
+        let vanished = match &event {
+            Ok(e) => relist.vanished(e, &cache),
+            Err(_) => Vec::new(),
+        };
+        if !vanished.is_empty() {
+            tracing::info!(
+                pods = vanished.len(),
+                "pods deleted while the pod watch was down (its relist no longer lists them): released as deleted"
+            );
+        }
+        if matches!(&event, Ok(watcher::Event::Delete(_))) || !vanished.is_empty() {
             // A StatefulSet scaled down frees its ordinals' addresses once their pods are gone.
             holders_changed.notify_one();
+        }
+        for p in &vanished {
+            let _ = tx.send(job_of(p, Trigger::Deleted));
         }
         if let Some(job) = due_job(&event, &nodes) {
             let _ = tx.send(job);
@@ -159,13 +175,17 @@ fn due_job(
             None
         }
     };
-    due.map(|(p, trigger)| Job {
+    due.map(|(p, trigger)| job_of(p, trigger))
+}
+
+fn job_of(p: &Pod, trigger: Trigger) -> Job {
+    Job {
         pod: cleanup::identity(p),
         trigger,
         attempt: 0,
         node: cleanup::node_of(p),
         since: std::time::Instant::now(),
-    })
+    }
 }
 
 /// Watches `api` into the cache behind `writer`; errors are logged as `kind`'s and the watch
