@@ -17,6 +17,12 @@
 #                         when it is healthy (fault injection).
 #   e2e/cluster.sh pause etcd|kube-apiserver SECONDS
 #                         SIGSTOP it, SIGCONT after SECONDS: calls hang (faults).
+#   e2e/cluster.sh replica
+#                         start (if not running) a second kube-apiserver over the same etcd,
+#                         with the same flags on a port of its own, and print the path of its
+#                         admin kubeconfig (replica.kubeconfig). `restart kube-apiserver-replica`
+#                         then restarts it alone: the clients a test points at it see an API
+#                         server restart (watches relisted), the other tests see nothing.
 #
 # Environment:
 #   WHEREABOUTS_E2E_STATE    state folder (default: e2e/.state next to this script)
@@ -68,6 +74,7 @@ K8S="$(cat "$K8S_FILE" 2>/dev/null || true)"
 K8S="${K8S:-${REQUESTED_K8S:-newest}}"
 exe_of() {
   case "$K8S:$1" in
+    *:kube-apiserver-replica) exe_of kube-apiserver ;;
     min:kube-apiserver|min:kube-controller-manager) echo "$BIN_DIR/min/$1" ;;
     *) echo "$BIN_DIR/$1" ;;
   esac
@@ -179,16 +186,17 @@ extendedKeyUsage=clientAuth" front-proxy-ca
   ) || { tail -n 20 "$PKI/openssl.log" >&2; die "generating certificates with openssl failed"; }
 }
 
-# write_kubeconfig FILE CERTNAME USER: certs embedded, so the file stands alone.
+# write_kubeconfig FILE CERTNAME USER [PORT]: certs embedded, so the file stands alone; the API
+# server at PORT (default: the first one's).
 write_kubeconfig() {
-  local file="$1" cert="$2" user="$3"
+  local file="$1" cert="$2" user="$3" port="${4:-$APISERVER_PORT}"
   cat > "$file" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
 - name: whereabouts-e2e
   cluster:
-    server: https://127.0.0.1:${APISERVER_PORT}
+    server: https://127.0.0.1:${port}
     certificate-authority-data: $(base64 -w0 < "$PKI/ca.crt")
 users:
 - name: ${user}
@@ -209,8 +217,11 @@ kubectl_admin() {
   "$BIN_DIR/kubectl" --kubeconfig "$KUBECONFIG_PATH" --request-timeout=5s "$@"
 }
 
-readyz_ok() {
-  [[ "$(kubectl_admin get --raw /readyz 2>/dev/null)" == "ok" ]]
+readyz_ok() { readyz_ok_at "$KUBECONFIG_PATH"; }
+
+# readyz_ok_at KUBECONFIG: the API server of KUBECONFIG answers /readyz.
+readyz_ok_at() {
+  [[ "$("$BIN_DIR/kubectl" --kubeconfig "$1" --request-timeout=5s get --raw /readyz 2>/dev/null)" == "ok" ]]
 }
 
 etcd_healthy() {
@@ -268,7 +279,9 @@ plugins:
 EOF
 }
 
+# start_kube_apiserver [NAME PORT KUBECONFIG]: the first API server, or with arguments the replica.
 start_kube_apiserver() {
+  local name="${1:-kube-apiserver}" port="${2:-$APISERVER_PORT}" kubeconfig="${3:-$KUBECONFIG_PATH}"
   # kube-apiserver. Admission plugins: the default set (it includes
   # NamespaceLifecycle, ServiceAccount, MutatingAdmissionWebhook,
   # ValidatingAdmissionWebhook, ValidatingAdmissionPolicy, ResourceQuota...), with the
@@ -281,15 +294,15 @@ start_kube_apiserver() {
   # --enable-aggregator-routing: webhooks behind a Service are called at an endpoint's address,
   #   since this API server runs outside any pod network and no kube-proxy serves it.
   # --kubelet-*: reach e2e/node.sh's kubelet by its InternalIP, as a cluster CA client.
-  start kube-apiserver \
+  start "$name" \
     --bind-address=127.0.0.1 \
-    --secure-port="$APISERVER_PORT" \
+    --secure-port="$port" \
     --advertise-address=127.0.0.1 \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
     --tls-cert-file="$PKI/apiserver.crt" \
     --tls-private-key-file="$PKI/apiserver.key" \
     --client-ca-file="$PKI/ca.crt" \
-    --cert-dir="$STATE_DIR/apiserver-certs" \
+    --cert-dir="$STATE_DIR/$name-certs" \
     --authorization-mode=Node,RBAC \
     --service-cluster-ip-range="$SERVICE_CIDR" \
     --service-account-issuer="$SA_ISSUER" \
@@ -311,7 +324,14 @@ start_kube_apiserver() {
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
     --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --v=1
-  wait_for kube-apiserver "kube-apiserver /readyz on https://127.0.0.1:$APISERVER_PORT" readyz_ok
+  wait_for "$name" "$name /readyz on https://127.0.0.1:$port" readyz_ok_at "$kubeconfig"
+}
+
+REPLICA_KUBECONFIG="$STATE_DIR/replica.kubeconfig"
+
+# The replica's start (for `replica` and `restart`), on the port recorded in replica.port.
+start_kube_apiserver_replica() {
+  start_kube_apiserver kube-apiserver-replica "$(cat "$STATE_DIR/replica.port")" "$REPLICA_KUBECONFIG"
 }
 
 # ------------------------------------------------------------------- verbs
@@ -452,6 +472,7 @@ cmd_down() {
     return 0
   fi
   stop_node
+  stop_one kube-apiserver-replica
   stop_components
   rm -rf "$STATE_DIR"
   log "down: stopped and removed $STATE_DIR"
@@ -467,8 +488,8 @@ running_pid() {
   local name="$1" pid
   [[ -f "$STATE_DIR/cluster.env" ]] || die "no cluster: $STATE_DIR/cluster.env missing (run: $0 up)"
   case "$name" in
-    etcd|kube-apiserver) ;;
-    *) die "want etcd or kube-apiserver, got '$name'" ;;
+    etcd|kube-apiserver|kube-apiserver-replica) ;;
+    *) die "want etcd, kube-apiserver or kube-apiserver-replica, got '$name'" ;;
   esac
   pid="$(pid_of "$name")"
   is_our_process "$pid" "$name" || die "$name is not running"
@@ -506,6 +527,20 @@ cmd_pause() {
   log "$name (pid $pid) resumed"
 }
 
+cmd_replica() {
+  [[ -f "$STATE_DIR/cluster.env" ]] || die "no cluster: $STATE_DIR/cluster.env missing (run: $0 up)"
+  take_lock
+  # shellcheck disable=SC1091 # written by `up`
+  source "$STATE_DIR/cluster.env"
+  if ! is_our_process "$(pid_of kube-apiserver-replica)" kube-apiserver-replica; then
+    free_ports 1 > "$STATE_DIR/replica.port" || die "could not pick a free port (python3)"
+    write_kubeconfig "$REPLICA_KUBECONFIG" admin kubernetes-admin "$(cat "$STATE_DIR/replica.port")"
+    start_kube_apiserver_replica
+    log "replica: kube-apiserver-replica at https://127.0.0.1:$(cat "$STATE_DIR/replica.port")"
+  fi
+  echo "$REPLICA_KUBECONFIG"
+}
+
 cmd_status() {
   local name pid rc=0
   log "Kubernetes release: $K8S"
@@ -532,8 +567,9 @@ case "${1:-}" in
   status) cmd_status ;;
   restart) cmd_restart "${2:-}" "${3:-}" ;;
   pause) cmd_pause "${2:-}" "${3:-}" ;;
+  replica) cmd_replica ;;
   *)
-    echo "usage: $0 up|down|env|status|restart etcd|kube-apiserver [--crash]|pause etcd|kube-apiserver SECONDS" >&2
+    echo "usage: $0 up|down|env|status|replica|restart etcd|kube-apiserver|kube-apiserver-replica [--crash]|pause etcd|kube-apiserver SECONDS" >&2
     exit 2
     ;;
 esac

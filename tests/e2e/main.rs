@@ -15,6 +15,7 @@ mod metrics;
 mod netns;
 mod node_limits;
 mod operator;
+mod relist;
 mod slices;
 mod status;
 mod supply;

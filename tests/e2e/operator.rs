@@ -27,7 +27,7 @@ fn status_annotation(ns: &Ns, ips: &[&str]) -> BTreeMap<String, String> {
     BTreeMap::from([(NS_ANNOTATION.to_owned(), status.to_string())])
 }
 
-fn dual(ns: &Ns) -> serde_json::Value {
+pub(crate) fn dual(ns: &Ns) -> serde_json::Value {
     ns.netconf(
         "1.0.0",
         json!({"ipRanges": [{"range": "10.70.0.0/24"}, {"range": "fd00:70::/64"}]}),
@@ -35,7 +35,7 @@ fn dual(ns: &Ns) -> serde_json::Value {
 }
 
 /// A pod that got addresses from our plugin, with the network-status Multus would write.
-fn attached_pod(
+pub(crate) fn attached_pod(
     ns: &Ns,
     name: &str,
     conf: &serde_json::Value,
@@ -61,7 +61,7 @@ fn attached_pod(
     (uid_placeholder, addrs)
 }
 
-fn entries(ns: &Ns) -> usize {
+pub(crate) fn entries(ns: &Ns) -> usize {
     ns.allocations("10.70.0.0-24").len() + ns.allocations("fd00-70---64").len()
 }
 
