@@ -57,11 +57,14 @@ fn a_pod_deleted_while_the_operators_watch_was_down_is_released_at_the_relist() 
     assert_eq!(entries(&ns), 4);
     let pid = op.child.id();
     signal(pid, "-STOP");
+    // A write after the operator's last resourceVersion, so that the restarted server's watch
+    // cache starts past it (with nothing written, the watch could resume where it was).
+    ns.kubectl_ok(&["annotate", "pod", "stays", "relist=1"]);
     cluster(&["restart", "kube-apiserver-replica"]);
     ns.kubectl_ok(&["delete", "pod", "gone"]);
     signal(pid, "-CONT");
     assert!(
-        eventually(30, || entries(&ns) == 2),
+        eventually(60, || entries(&ns) == 2),
         "{:?}\n{}",
         ns.allocations("10.70.0.0-24"),
         op.log()
