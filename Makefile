@@ -28,7 +28,7 @@ e2e:
 	e2e/run-tests.sh
 
 # The e2e tier's tests that depend on the API server's behaviour (webhook, certs, install,
-# operator, keep, slices, node_limits; 33 tests with the names that contain them) against the oldest supported Kubernetes release
+# operator, keep, slices, node_limits, relist: 30 tests) against the oldest supported Kubernetes release
 # (README "Supported Kubernetes versions"): its kube-apiserver and kube-controller-manager built
 # from e2e/k8s-min, on a control plane of its own (e2e/.state-min). It reuses `make e2e`'s debug
 # build, so in `make test`, right after it, it costs the two Go binaries once (measured

@@ -31,7 +31,7 @@ export WHEREABOUTS_E2E_STATE="${WHEREABOUTS_E2E_MIN_STATE:-$PWD/e2e/.state-min}"
 log() { printf '[e2e-min] %s\n' "$*" >&2; }
 die() { printf '[e2e-min] ERROR: %s\n' "$*" >&2; exit 1; }
 
-filters=(webhook:: certs:: install:: operator:: keep:: slices:: node_limits::)
+filters=(webhook:: certs:: install:: operator:: keep:: slices:: node_limits:: relist::)
 (($# == 0)) || filters=("$@")
 
 started=0
