@@ -1,6 +1,8 @@
 //! The cleanup worker: releases due pods' addresses in batches, waits for a deleted pod's node
-//! where its kubelet may still run the DEL, and retries what failed.
+//! where its kubelet may still run the DEL, and retries what failed. Only the leader releases; a
+//! replica that stands by keeps the jobs for when it leads.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,15 +30,36 @@ pub(super) struct Job {
 /// because the API server re-runs every write that loses (docs/benchmarks.md, "Operator").
 const BATCH: usize = 1000;
 
+/// The most jobs a replica that does not lead keeps for when it leads (see [`hold`]); beyond it
+/// the oldest go, left to the audit. A job is a pod's identity: about 200 bytes.
+const STANDBY_JOBS: usize = 100_000;
+
 /// Releases due pods' addresses, batch by batch. Errors and empty results that may be cache lag
 /// are retried with exponential backoff a bounded number of times; the audit catches anything
-/// left.
+/// left. A replica that does not lead keeps the jobs and runs them once it leads.
 pub(super) async fn cleanup_worker(
     ctx: Arc<Context>,
     mut rx: mpsc::UnboundedReceiver<Job>,
     tx: mpsc::UnboundedSender<Job>,
 ) {
-    while let Some(first) = rx.recv().await {
+    let mut leading = ctx.leader.clone();
+    let mut standby = VecDeque::new();
+    loop {
+        let first = tokio::select! {
+            job = rx.recv() => match job {
+                Some(job) => job,
+                None => return,
+            },
+            Ok(()) = leading.changed(), if !standby.is_empty() => {
+                if *leading.borrow_and_update() {
+                    tracing::info!(pods = standby.len(), "leading: releasing the pods deleted while this replica stood by");
+                    for job in standby.drain(..) {
+                        let _ = tx.send(job);
+                    }
+                }
+                continue;
+            }
+        };
         let mut batch = vec![first];
         while batch.len() < BATCH {
             match rx.try_recv() {
@@ -45,24 +68,39 @@ pub(super) async fn cleanup_worker(
             }
         }
         if !ctx.is_leader() {
-            // The new leader's audit decides; nothing here waits any more.
-            for job in &batch {
-                ctx.waiting
-                    .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No, false);
-            }
+            hold(&ctx, &mut standby, batch);
             continue;
         }
-        let batch = not_waiting(&ctx, batch, &tx);
-        if batch.is_empty() {
-            continue;
-        }
-        let started = std::time::Instant::now();
-        let pods: Vec<_> = batch.iter().map(|j| (j.pod.clone(), j.trigger)).collect();
-        let results = cleanup::release_pods(&ctx, &pods).await;
-        tracing::debug!(pods = batch.len(), elapsed = ?started.elapsed(), "released a batch");
-        for (job, result) in batch.into_iter().zip(results) {
-            finish(&ctx, job, result, &tx, started.elapsed()).await;
-        }
+        release_batch(&ctx, batch, &tx).await;
+    }
+}
+
+/// A replica that does not lead keeps what its watches made due, so that pods deleted around a
+/// failover (a rolling update of the operator, a leader killed) are released as soon as it leads,
+/// not at its next full audit, minutes later. A job the old leader already ran finds nothing:
+/// releases are matched by pod UID and written conditionally. Nothing waits for a node meanwhile.
+fn hold(ctx: &Context, standby: &mut VecDeque<Job>, batch: Vec<Job>) {
+    for job in batch {
+        ctx.waiting
+            .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No, false);
+        standby.push_back(job);
+    }
+    while standby.len() > STANDBY_JOBS {
+        standby.pop_front();
+    }
+}
+
+async fn release_batch(ctx: &Context, batch: Vec<Job>, tx: &mpsc::UnboundedSender<Job>) {
+    let batch = not_waiting(ctx, batch, tx);
+    if batch.is_empty() {
+        return;
+    }
+    let started = std::time::Instant::now();
+    let pods: Vec<_> = batch.iter().map(|j| (j.pod.clone(), j.trigger)).collect();
+    let results = cleanup::release_pods(ctx, &pods).await;
+    tracing::debug!(pods = batch.len(), elapsed = ?started.elapsed(), "released a batch");
+    for (job, result) in batch.into_iter().zip(results) {
+        finish(ctx, job, result, tx, started.elapsed()).await;
     }
 }
 
