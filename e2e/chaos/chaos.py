@@ -24,6 +24,7 @@ Python standard library only.
 """
 
 import argparse
+import datetime
 import ipaddress
 import json
 import os
@@ -73,14 +74,18 @@ ADD_TRIES = 3  # sandbox attempts before the pod is given up (deleted)
 # A share of the pods that go with a DEL are evicted first (what `kubectl drain` and the
 # autoscaler do): bound to EVICTION_NODE, evicted with a grace period, and DELed only after
 # EVICTION_GRACE_S: in between their containers run and the operator must keep their addresses
-# (the ledger would see a duplicate). EVICTION_NODE is a Node object without a kubelet: PodGC
-# would fail and delete at once the pods of a node that has no object (after its first 40 s),
-# which frees their addresses before the driver's DEL; this one is reported Unknown by the node
-# lifecycle controller after 40 s, and its taint evicts a pod only after the pod's 300 s
-# toleration, long after the driver deleted it.
+# (the ledger would see a duplicate). EVICTION_NODE is a Node object kept Ready by the driver
+# (its Lease and Ready condition renewed every few seconds, as a kubelet does), as a drained
+# node is: PodGC would fail and delete at once the pods of a node that has no object, freeing
+# their addresses before the driver's DEL, and a NotReady node makes the operator hold a
+# force-deleted pod's addresses until it is Ready again (upstream's DEL reports success even when
+# it removed nothing, so such a pod would hold them for good). On a Ready node the operator frees
+# what the DEL left once DELETED_POD_GRACE has passed.
 EVICT_SHARE = 0.25
 EVICTION_GRACE_S = (1.0, 4.0)
 EVICTION_NODE = "chaos-node"
+NODE_HEARTBEAT_S = 5
+DELETED_POD_GRACE = "5s"  # the operator's, shortened as its audit is
 PLUGIN_KILL_P = 0.08  # share of plugin processes killed mid-call
 HANG_S = 150  # a plugin call running longer than this is a hang (a violation)
 DEL_RETRY_S = 180  # a DEL not done by then is stuck (a violation)
@@ -155,12 +160,16 @@ class Fleet:
         self.netconf = {}
         self.history = None
         self.ledger = Ledger()  # every attachment's span, for duplicates within a burst
+        self.stopping = threading.Event()
+        self.heartbeat = threading.Thread(target=self.heartbeats, daemon=True)
 
     # ---- setup
 
     def setup(self):
         self.kube.ok("POST", "/api/v1/namespaces", {"metadata": {"name": self.ns}})
         self.kube.ok("POST", "/api/v1/nodes", {"metadata": {"name": EVICTION_NODE}}, allow=(409,))
+        self.heartbeat_once()
+        self.heartbeat.start()
         deadline = time.monotonic() + 60
         while self.kube.call("GET", f"/api/v1/namespaces/{self.ns}/serviceaccounts/default")[0] != 200:
             if time.monotonic() > deadline:
@@ -207,6 +216,31 @@ class Fleet:
         for _ in range(2):
             self.start_operator()
 
+    def heartbeat_once(self):
+        """What a kubelet does for its node: renews its Lease and reports it Ready."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        lease = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{EVICTION_NODE}"
+        spec = {"holderIdentity": EVICTION_NODE, "leaseDurationSeconds": 40,
+                "renewTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+        status, _ = self.kube.call("PATCH", lease, {"spec": spec},
+                                   content_type="application/merge-patch+json", deadline_s=5)
+        if status == 404:
+            self.kube.call("POST", lease.rsplit("/", 1)[0], {
+                "metadata": {"name": EVICTION_NODE}, "spec": spec}, deadline_s=5)
+        ready = {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                 "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
+        self.kube.call("PATCH", f"/api/v1/nodes/{EVICTION_NODE}/status",
+                       {"status": {"conditions": [ready]}},
+                       content_type="application/strategic-merge-patch+json", deadline_s=5)
+
+    def heartbeats(self):
+        while not self.stopping.wait(NODE_HEARTBEAT_S):
+            try:
+                self.heartbeat_once()
+            except Exception as e:  # noqa: BLE001 - an API fault; the next beat tries again
+                log(f"node heartbeat failed: {e}")
+
     def start_agent(self):
         self.agent_starts += 1
         out = open(self.work / "agent.log", "ab")
@@ -230,13 +264,15 @@ class Fleet:
             [str(self.args.operator), "run", "--admin-addr=127.0.0.1:0",
              f"--pool-namespace={self.ns}", "--leader-election=true",
              f"--audit-interval={AUDIT_INTERVAL}", f"--stale-grace={STALE_GRACE}",
-             f"--orphan-claim-age={ORPHAN_CLAIM_AGE}"],
+             f"--orphan-claim-age={ORPHAN_CLAIM_AGE}",
+             f"--deleted-pod-grace={DELETED_POD_GRACE}"],
             stdout=out, stderr=out,
             env={**os.environ, "KUBECONFIG": self.args.kubeconfig, "POD_NAME": ident,
                  "RUST_LOG": "info"})
         out.close()
 
     def teardown(self):
+        self.stopping.set()
         if self.history is not None:
             self.history.stop()
         for p in [self.agent, *self.operators.values()]:
@@ -622,6 +658,8 @@ def main():
         sys.exit(1)
     kube.ok("DELETE", f"/api/v1/namespaces/{fleet.ns}", allow=(404,))
     kube.ok("DELETE", f"/api/v1/nodes/{EVICTION_NODE}", allow=(404,))
+    kube.ok("DELETE", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{EVICTION_NODE}",
+            allow=(404,))
     # Kept only for a post-mortem: a 20-round history runs to hundreds of megabytes.
     for f in work.glob("history-*.json"):
         f.unlink()
