@@ -46,15 +46,7 @@ impl KubeStore {
         resource_version: &str,
     ) -> Result<PoolWrite> {
         let body = json!({"metadata": {"resourceVersion": resource_version}, "spec": {"allocations": allocations}});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
-        match retrying(|| self.pools.patch(pool, &params, &patch)).await {
-            Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
-            Err(e) => match api_code(&e) {
-                Some(404) => Ok(PoolWrite::Missing),
-                Some(409) => Ok(PoolWrite::Conflict),
-                _ => Err(error("patch", format!("ippool {pool}"), e)),
-            },
-        }
+        self.merge_pool(pool, &body).await
     }
 
     /// Sets the pool's [`TAKEN_AGAIN_ANNOTATION`] to a value it has never had (the time in
@@ -70,7 +62,13 @@ impl KubeStore {
             "resourceVersion": resource_version,
             "annotations": {TAKEN_AGAIN_ANNOTATION: nanos},
         }});
-        let (params, patch) = (PatchParams::default(), Patch::Merge(&body));
+        self.merge_pool(pool, &body).await
+    }
+
+    /// A merge patch of the pool that names the resourceVersion it expects in `body`: the API
+    /// server answers 409 at once when the pool moved on.
+    async fn merge_pool(&self, pool: &str, body: &Value) -> Result<PoolWrite> {
+        let (params, patch) = (PatchParams::default(), Patch::Merge(body));
         match retrying(|| self.pools.patch(pool, &params, &patch)).await {
             Ok(written) => Ok(PoolWrite::Done(to_pool(pool, written))),
             Err(e) => match api_code(&e) {
