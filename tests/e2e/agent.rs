@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::harness::{Cni, Ns};
+use crate::harness::{Cni, Ns, signal};
 
 /// The kubeconfig path the plugin is configured with in these tests: it does not exist, so an
 /// ADD that succeeds was run by the agent (which has its own client), not by the plugin.
@@ -267,14 +267,7 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
     agent.child.wait().unwrap();
 
     let mut stopped = Agent::start(&ns, dir.path(), &own);
-    let pid = stopped.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-STOP", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    signal(stopped.child.id(), "-STOP");
     children.extend(ns.cni_spawn_pods("ADD", &conf, 100..120));
     std::thread::sleep(Duration::from_millis(500));
     stopped.child.kill().unwrap();

@@ -597,6 +597,15 @@ pub fn kustomize(dir: &str) -> Vec<serde_json::Value> {
     serde_saphyr::from_multiple(&text).unwrap()
 }
 
+/// Sends `sig` (`-STOP`, `-CONT`...) to process `pid`, as `kill` does.
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
 /// A value of the running cluster's `cluster.env` (e2e/cluster.sh): APISERVER_URL, CA_CERT...
 pub fn cluster_env(key: &str) -> String {
     let state = std::env::var("WHEREABOUTS_E2E_STATE")

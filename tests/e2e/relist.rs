@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use crate::harness::{Ns, OperatorProcess, admin_kubeconfig, eventually, repo};
+use crate::harness::{Ns, OperatorProcess, admin_kubeconfig, eventually, repo, signal};
 use crate::operator::{attached_pod, dual, entries};
 
 fn cluster(args: &[&str]) -> String {
@@ -26,14 +26,6 @@ fn cluster(args: &[&str]) -> String {
         .last()
         .unwrap_or_default()
         .to_owned()
-}
-
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "kill {sig} {pid}");
 }
 
 /// Stopped while its API server restarts (so its watches find a new server and must list again)
