@@ -34,6 +34,12 @@ const BATCH: usize = 1000;
 /// the oldest go, left to the audit. A job is a pod's identity: about 200 bytes.
 const STANDBY_JOBS: usize = 100_000;
 
+/// How long a standby keeps a job. The leader renews its Lease every few seconds and loses it
+/// 15 s after it stops; what it received well before that it has run (or is retrying itself).
+/// So only the last moments matter, and a standby that waits for days neither grows with every
+/// pod deleted in the cluster nor replays all of them when it leads.
+const STANDBY_WINDOW: Duration = Duration::from_secs(120);
+
 /// Releases due pods' addresses, batch by batch. Errors and empty results that may be cache lag
 /// are retried with exponential backoff a bounded number of times; the audit catches anything
 /// left. A replica that does not lead keeps the jobs and runs them once it leads.
@@ -52,6 +58,7 @@ pub(super) async fn cleanup_worker(
             },
             Ok(()) = leading.changed(), if !standby.is_empty() => {
                 if *leading.borrow_and_update() {
+                    prune(&mut standby);
                     tracing::info!(pods = standby.len(), "leading: releasing the pods deleted while this replica stood by");
                     for job in standby.drain(..) {
                         let _ = tx.send(job);
@@ -85,7 +92,18 @@ fn hold(ctx: &Context, standby: &mut VecDeque<Job>, batch: Vec<Job>) {
             .set(&job.pod.podref, &job.pod.uid, deferral::Wait::No, false);
         standby.push_back(job);
     }
-    while standby.len() > STANDBY_JOBS {
+    prune(standby);
+}
+
+/// Drops the jobs older than [`STANDBY_WINDOW`] (by their `since`: when their pod event came, or
+/// when a NotReady node's wait began) and the oldest beyond [`STANDBY_JOBS`]; jobs are kept in
+/// the order they came.
+fn prune(standby: &mut VecDeque<Job>) {
+    while standby.len() > STANDBY_JOBS
+        || standby
+            .front()
+            .is_some_and(|j| j.since.elapsed() > STANDBY_WINDOW)
+    {
         standby.pop_front();
     }
 }
@@ -184,5 +202,42 @@ async fn finish(
                 ..job
             });
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(name: &str, age: Duration) -> Job {
+        Job {
+            pod: PodIdentity {
+                podref: format!("ns/{name}"),
+                ..Default::default()
+            },
+            trigger: Trigger::Deleted,
+            attempt: 0,
+            node: None,
+            since: std::time::Instant::now() - age,
+        }
+    }
+
+    #[test]
+    fn a_standby_keeps_only_the_recent_jobs() {
+        let mut standby: VecDeque<Job> = [
+            job("old", STANDBY_WINDOW + Duration::from_secs(10)),
+            job("recent", Duration::from_secs(5)),
+            job("new", Duration::ZERO),
+        ]
+        .into();
+        prune(&mut standby);
+        let kept: Vec<&str> = standby.iter().map(|j| j.pod.podref.as_str()).collect();
+        assert_eq!(kept, ["ns/recent", "ns/new"]);
+        let mut full: VecDeque<Job> = (0..STANDBY_JOBS + 3)
+            .map(|i| job(&i.to_string(), Duration::ZERO))
+            .collect();
+        prune(&mut full);
+        assert_eq!(full.len(), STANDBY_JOBS);
+        assert_eq!(full.front().unwrap().pod.podref, "ns/3");
     }
 }
