@@ -9,7 +9,7 @@ use super::pool::ObjectRoom;
 use super::{AllocError, Allocated, Engine, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
-use crate::store::{Datastore, Pool, PoolWrite, StoreError, Write};
+use crate::store::{Datastore, Listing, Pool, PoolWrite, StoreError, Write};
 
 /// One try at an address.
 pub(super) struct Attempt {
@@ -124,7 +124,7 @@ impl<S: Datastore> Engine<'_, S> {
         // Claims whose pool entries are still being written are taken too, and how many there
         // are tells whether others are allocating from this pool right now.
         let pending = if overlapping {
-            self.pending_claims(&pool, None).await?
+            self.pending_claims(&pool, None, Listing::Cached).await?
         } else {
             Vec::new()
         };

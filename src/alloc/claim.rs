@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::{Engine, Owned, Owner};
 use crate::crd::IPAllocation;
-use crate::store::{Datastore, Pool, Reservation, StoreError, Write};
+use crate::store::{Datastore, Listing, Pool, Reservation, StoreError, Write};
 
 /// How long a claim may wait for its pool entry while its writer is still at work. An ADD records
 /// its claim, or rolls it back, within its deadline and rollback budget of writing it
@@ -136,30 +136,29 @@ impl<S: Datastore> Engine<'_, S> {
     }
 
     /// Deletes the claims of `who`'s container and interface that the pool does not record: an
-    /// ADD of it claimed and was cut off before it recorded (its plugin or the agent killed). A
-    /// DEL is the container's last word (its retry is a new sandbox, with a new container id), so
-    /// nothing of it is left for the audit's sweep. Only recent claims are listed (see
+    /// ADD of it claimed and was cut off before it recorded (its plugin or the agent killed, its
+    /// deadline passed). A DEL is the container's last word (its retry is a new sandbox, with a
+    /// new container id), so nothing of it is left for the audit's sweep; and no writer turn
+    /// writes the entry back ([`super::announce::withdraw`]). Only recent claims are listed (see
     /// [`crate::store::CLAIMED_LABEL`]): an older one is the sweep's.
     pub async fn withdraw_claims(&self, pool: &Pool, who: &Owner) -> Result<(), StoreError> {
         if !self.target.overlapping {
             return Ok(());
         }
-        let pending = self.pending_claims(pool, None).await?;
-        for claim in pending.iter().filter(|p| p.is_of(who)) {
-            if let Some(ip) = self.target.ip(claim.offset) {
-                self.unclaim(ip, &claim.uid).await?;
-            }
-        }
-        Ok(())
+        let pending = self.pending_claims(pool, None, Listing::Consistent).await?;
+        let mine: Vec<PendingClaim> = pending.into_iter().filter(|p| p.is_of(who)).collect();
+        super::announce::withdraw(self.store, self.target, &mine, &[who]).await
     }
 
-    /// This pool's claims that the pool does not hold yet (other than `own`).
+    /// This pool's claims that the pool does not hold yet (other than `own`), listed as fresh as
+    /// `listing` asks.
     pub async fn pending_claims(
         &self,
         pool: &Pool,
         own: Option<u128>,
+        listing: Listing,
     ) -> Result<Vec<PendingClaim>, StoreError> {
-        let claims = match self.store.claims_of(&self.target.pool).await {
+        let claims = match self.store.claims_of(&self.target.pool, listing).await {
             Ok(claims) => claims,
             // Rights from before claims were listed: each claimant then records only itself.
             Err(e) if e.kind() == "forbidden" => {

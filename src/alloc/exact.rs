@@ -10,7 +10,7 @@ use super::pool::ObjectRoom;
 use super::{AllocError, Allocated, Engine, Owned, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
-use crate::store::Datastore;
+use crate::store::{Datastore, Listing};
 
 /// Who holds an address, in the words of an error.
 fn holder_words(pool: &str, e: &IPAllocation) -> String {
@@ -66,7 +66,7 @@ impl<S: Datastore> Engine<'_, S> {
                 return Err(unavailable(holder_words(&pool.name, entry)));
             }
             let pending = if self.target.overlapping {
-                self.pending_claims(&pool, None).await?
+                self.pending_claims(&pool, None, Listing::Cached).await?
             } else {
                 Vec::new()
             };

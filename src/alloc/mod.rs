@@ -37,10 +37,12 @@
 //! | [`claim`] | reservations: claim, unclaim, the claims still waiting for their entry |
 //! | [`turn`] | the pool's writer turn and the group-commit writes made in it |
 //! | [`release`] | one DEL's entries, and removing many entries in one write |
+//! | [`announce`] | announcing a release, so that no writer turn writes its entry back |
 //! | [`group`] | the node agent's groups of ADDs and DELs |
 //! | [`pool`] | reading or creating a pool, and what its object can still hold |
 
 pub mod add;
+pub mod announce;
 pub mod claim;
 pub mod exact;
 pub mod group;

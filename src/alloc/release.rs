@@ -55,11 +55,18 @@ impl<S: Datastore> Engine<'_, S> {
             0
         };
         let gone = if others == 0 {
-            remove_entries(self.store, &pool.name, &mine, Some(pool.clone()))
-                .await?
-                .into_iter()
-                .map(|(o, _)| o)
-                .collect()
+            let announced = held.announced.iter().map(|h| h.0).collect();
+            remove_entries(
+                self.store,
+                &pool.name,
+                &mine,
+                Some(pool.clone()),
+                &announced,
+            )
+            .await?
+            .into_iter()
+            .map(|(o, _)| o)
+            .collect()
         } else {
             self.remove_in_turn(pool, &mine, who, others).await?
         };
@@ -84,7 +91,11 @@ impl<S: Datastore> Engine<'_, S> {
             let Some(r) = self.reservation_of(&name, entry).await? else {
                 continue;
             };
-            match self.store.mark_releasing(&name, &r.uid).await {
+            match self
+                .store
+                .mark_releasing(&name, &r.uid, &r.resource_version)
+                .await
+            {
                 Ok((Write::Done, rv)) => held.announced.push((*offset, name, r.uid, rv)),
                 // Rights from before releases were announced: this DEL releases on its own.
                 Ok(_) => held
@@ -232,16 +243,19 @@ impl<S: Datastore> Engine<'_, S> {
 /// re-running them (docs/benchmarks.md).
 ///
 /// `read` is a version of the pool the caller has just read, if any, to start from instead of
-/// reading it again (a stale one only costs a lost write).
+/// reading it again (a stale one only costs a lost write). `announced`: the offsets whose release
+/// the caller announced; one found gone was removed by a turn holder that honoured the
+/// announcement, and counts as removed.
 pub async fn remove_entries<S: Datastore>(
     store: &S,
     pool: &str,
     entries: &[(u128, IPAllocation)],
     mut read: Option<Pool>,
+    announced: &BTreeSet<u128>,
 ) -> Result<Vec<(u128, IPAllocation)>, StoreError> {
     // Offsets this call has tried to remove: one found gone after a lost write was removed by
     // that write (its answer lost on the way) or by another releaser, gone either way.
-    let mut tried = BTreeSet::new();
+    let mut tried = announced.clone();
     for attempt in 0..MAX_CONFLICTS {
         let current = match read.take() {
             Some(version) => Some(version),

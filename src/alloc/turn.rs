@@ -13,7 +13,9 @@ use tokio::time::Instant;
 use super::{Engine, Owned};
 use crate::crd::IPAllocation;
 use crate::retry::MAX_CONFLICTS;
-use crate::store::{Datastore, Pool, PoolChanges, StoreError, TURN_SECONDS, Turn, TurnAttempt};
+use crate::store::{
+    Datastore, Listing, Pool, PoolChanges, StoreError, TURN_SECONDS, Turn, TurnAttempt,
+};
 
 /// How long a claimant waits for the turn holder's next write before it tries the turn again:
 /// longer the more claimants there are, so that all of them together ask about as often.
@@ -153,7 +155,7 @@ impl<S: Datastore> Engine<'_, S> {
                 None => false,
             };
             let mut entries: Vec<(u128, IPAllocation)> = self
-                .pending_claims(&pool, Some(offset))
+                .pending_claims(&pool, Some(offset), Listing::Consistent)
                 .await?
                 .into_iter()
                 .map(|p| (p.offset, p.entry))

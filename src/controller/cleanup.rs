@@ -16,14 +16,15 @@ use kube::runtime::reflector::{ObjectRef, Store};
 
 use super::Context;
 use super::pools::{PoolView, entries_of_pod};
+use crate::alloc::announce::{HeldClaim, announce};
 use crate::alloc::remove_entries;
 use crate::crd::IPAllocation;
 use crate::ownership::{
     MIRROR_ANNOTATION, NETWORK_STATUS_ANNOTATION, Owned, PodIdentity, parse_network_status,
     secondary_addresses,
 };
-use crate::store::Datastore;
 use crate::store::StoreError;
+use crate::store::{CLAIMED_LABEL, Datastore, listable_claim};
 
 /// Keeps only what cleanup needs, so a cache of 10,000 pods stays small: name, namespace, UID,
 /// deletion state, the network-status annotation, the node, phase, reason and the
@@ -277,8 +278,9 @@ async fn replaced(
     keep
 }
 
-/// One pool's part of a batch: the entries in one conditional write, then their reservations.
-/// Returns the offsets removed.
+/// One pool's part of a batch: the entries' reservations read, and announced where a claims
+/// list may still show them (see [`crate::alloc::announce`]), the entries removed in one
+/// conditional write, then their reservations deleted. Returns the offsets removed.
 async fn release_in_pool(
     ctx: &Context,
     view: &PoolView,
@@ -286,14 +288,34 @@ async fn release_in_pool(
 ) -> Result<BTreeSet<u128>, StoreError> {
     let wanted: Vec<(u128, IPAllocation)> =
         entries.iter().map(|(o, e, _)| (*o, e.clone())).collect();
-    let removed = remove_entries(&ctx.store, &view.name, &wanted, None).await?;
+    let mut held = Vec::with_capacity(wanted.len());
+    for chunk in wanted.chunks(PARALLEL_CALLS) {
+        let reads = chunk
+            .iter()
+            .map(|(offset, entry)| held_reservation(ctx, view, *offset, entry));
+        for read in futures::future::join_all(reads).await {
+            held.push(read?);
+        }
+    }
+    announce(&ctx.store, &mut held, PARALLEL_CALLS).await?;
+    let announced = (wanted.iter().zip(&held))
+        .filter(|(_, h)| h.as_ref().is_some_and(|h| h.announced))
+        .map(|((o, _), _)| *o)
+        .collect();
+    let removed = remove_entries(&ctx.store, &view.name, &wanted, None, &announced).await?;
     ctx.metrics.record_releases("pod_deleted", removed.len());
+    let removed: BTreeSet<u128> = removed.into_iter().map(|(o, _)| o).collect();
     // A reservation that cannot be deleted now does not undo the release (the address is free
     // in the pool); it is left for the audit, which removes claims without an entry.
-    for chunk in removed.chunks(PARALLEL_CALLS) {
-        let deletes = chunk
-            .iter()
-            .map(|(offset, entry)| release_reservation(ctx, view, *offset, entry));
+    let due: Vec<&HeldClaim> = (wanted.iter().zip(&held))
+        .filter(|((o, _), _)| removed.contains(o))
+        .filter_map(|(_, h)| h.as_ref())
+        .collect();
+    for chunk in due.chunks(PARALLEL_CALLS) {
+        let deletes = chunk.iter().map(|h| {
+            ctx.store
+                .delete_reservation(&h.name, &h.uid, Some(&h.resource_version))
+        });
         for deleted in futures::future::join_all(deletes).await {
             if let Err(e) = deleted {
                 tracing::warn!(pool = %view.name, error = %e, "reservation of a released address not deleted; the audit will");
@@ -301,42 +323,42 @@ async fn release_in_pool(
             }
         }
     }
-    Ok(removed.into_iter().map(|(o, _)| o).collect())
+    Ok(removed)
 }
 
-/// Deletes the reservation of a released address if it names the same pod. The reservation cache
-/// supplies the UID for the delete's precondition, so a reservation re-made since the cache saw it
-/// is left alone; one the cache does not have yet is read.
-async fn release_reservation(
+/// The reservation of an address to release, if it names the same pod, at the version to
+/// delete it at: a reservation taken over by a new container of the pod since (a StatefulSet
+/// replacement) changed version and is kept. The reservation cache supplies it; one the cache
+/// does not have yet, or that a claims list may still show (announced first, which takes the
+/// current version), is read.
+async fn held_reservation(
     ctx: &Context,
     view: &PoolView,
     offset: u128,
     entry: &IPAllocation,
-) -> Result<(), StoreError> {
+) -> Result<Option<HeldClaim>, StoreError> {
     let Some(name) = view.reservation_of(offset) else {
-        return Ok(());
+        return Ok(None);
     };
     let key = ObjectRef::new(&name).within(&ctx.opts.pool_namespace);
-    // Deleted only at the version seen: a reservation taken over by a new container of the same
-    // pod since then (a StatefulSet replacement) changed version and is kept.
-    let seen = match ctx.caches.reservations.get(&key) {
-        Some(r) => r.spec.same_claimant(entry).then(|| {
-            (
-                r.uid().unwrap_or_default(),
-                r.resource_version().unwrap_or_default(),
-            )
-        }),
-        None => ctx
-            .store
-            .get_reservation(&name)
-            .await?
-            .filter(|r| r.spec.same_claimant(entry))
-            .map(|r| (r.uid, r.resource_version)),
-    };
-    if let Some((uid, rv)) = seen {
-        ctx.store.delete_reservation(&name, &uid, Some(&rv)).await?;
+    if let Some(r) = ctx.caches.reservations.get(&key) {
+        let claimed = r.labels().get(CLAIMED_LABEL).and_then(|b| b.parse().ok());
+        if !listable_claim(claimed) {
+            return Ok(r.spec.same_claimant(entry).then(|| HeldClaim {
+                name,
+                uid: r.uid().unwrap_or_default(),
+                resource_version: r.resource_version().unwrap_or_default(),
+                claimed,
+                announced: false,
+            }));
+        }
     }
-    Ok(())
+    Ok(ctx
+        .store
+        .get_reservation(&name)
+        .await?
+        .filter(|r| r.spec.same_claimant(entry))
+        .map(HeldClaim::of))
 }
 
 /// One event per pod that had addresses released (the recorder folds events of one reason on one

@@ -18,8 +18,14 @@
 //! turn for correctness: a writer without it (RBAC without Leases, a turn abandoned by a killed
 //! process) is still held to the resourceVersion precondition.
 
+pub mod claims;
 pub mod kubernetes;
 pub mod memory;
+
+pub use claims::{
+    CLAIM_BUCKET_SECONDS, CLAIMED_LABEL, Listing, RELEASING_LABEL, RENEWED_ANNOTATION,
+    claim_bucket, listable_claim, recent_buckets,
+};
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -80,36 +86,11 @@ impl Pool {
 pub const POOL_LABEL: &str = "whereabouts.cni.cncf.io/pool";
 /// The claimed address, on our reservations (the name encodes it only up to the network prefix).
 pub const IP_ANNOTATION: &str = "whereabouts.cni.cncf.io/ip";
-/// When a reservation was made, in [`CLAIM_BUCKET_SECONDS`] buckets since the epoch. Claims still
-/// waiting for their pool entry are seconds old, so listing only the last few buckets returns
-/// them and not the pool's thousands of settled reservations: the cost of a claims list stays
-/// proportional to the claims in flight, not to the size of the pool. A node whose clock is off
-/// by more than a bucket only has its claims recorded by itself instead of by a turn holder.
-pub const CLAIMED_LABEL: &str = "whereabouts.cni.cncf.io/claimed";
-pub const CLAIM_BUCKET_SECONDS: i64 = 30;
-/// When a claim was last renewed (seconds since the epoch; see [`Datastore::renew_claim`]).
-pub const RENEWED_ANNOTATION: &str = "whereabouts.cni.cncf.io/renewed";
-/// Set on a reservation (to the claim bucket of the moment) by a DEL about to remove its entry:
-/// a turn holder then removes it together with every other announced release in one write, and
-/// no claims list mistakes it for a claim still waiting to be recorded.
-pub const RELEASING_LABEL: &str = "whereabouts.cni.cncf.io/releasing";
 /// Set on a pool (to a fresh value) by an ADD that takes its attachment's entry again without
 /// changing it: the write moves the pool to a new resourceVersion, so that a release sweep that
 /// listed the announcements before the ADD withdrew its own cannot remove the entry with a write
 /// conditional on the version it read (see [`Datastore::touch_pool`]).
 pub const TAKEN_AGAIN_ANNOTATION: &str = "whereabouts.cni.cncf.io/taken-again";
-
-/// The claim bucket of a moment, in seconds since the epoch.
-pub fn claim_bucket(secs: i64) -> i64 {
-    secs.div_euclid(CLAIM_BUCKET_SECONDS)
-}
-
-/// The buckets a claims list asks for: the current one and its neighbours (clock skew, and claims
-/// made just before the bucket turned).
-pub fn recent_buckets(now_secs: i64) -> [i64; 3] {
-    let b = claim_bucket(now_secs);
-    [b - 1, b, b + 1]
-}
 
 /// The outcome of [`Datastore::add_allocations`] and [`Datastore::remove_allocations`].
 #[derive(Debug, Clone, PartialEq)]
@@ -185,6 +166,9 @@ pub struct Reservation {
     pub spec: OverlappingRangeIPReservationSpec,
     /// Creation time in seconds since the epoch, when known.
     pub created: Option<i64>,
+    /// The claim bucket of its last claim or renewal ([`CLAIMED_LABEL`]); none on reservations
+    /// upstream made, which no claims list shows.
+    pub claimed: Option<i64>,
     pub resource_version: String,
 }
 
@@ -334,16 +318,22 @@ pub trait Datastore: Send + Sync {
         ip: std::net::IpAddr,
     ) -> impl Future<Output = Result<(Write, String)>> + Send;
     /// Recent claims made for `pool` by our plugin (pool and claim-time labels, address
-    /// annotation), as the API server's cache has them.
-    fn claims_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
+    /// annotation) and not announced as released, as fresh as `listing` asks.
+    fn claims_of(
+        &self,
+        pool: &str,
+        listing: Listing,
+    ) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
     /// Recent releases announced for `pool` (see [`RELEASING_LABEL`]).
     fn releases_of(&self, pool: &str) -> impl Future<Output = Result<Vec<PoolClaim>>> + Send;
-    /// Announces the release of a reservation's address, if it is still the object with `uid`.
-    /// Returns the reservation's new resourceVersion on success.
+    /// Announces the release of a reservation's address, if it is still exactly the version that
+    /// was read (`uid` and `resource_version`: one a new container of the pod took over since
+    /// is not its release to announce). Returns the reservation's new resourceVersion on success.
     fn mark_releasing(
         &self,
         name: &str,
         uid: &str,
+        resource_version: &str,
     ) -> impl Future<Output = Result<(Write, String)>> + Send;
     /// Makes a reservation of this pod's interface the new container's, if it is still exactly
     /// the version that was read (`uid` and `resource_version`), and withdraws any announced

@@ -8,7 +8,7 @@ use super::{CLAIMS_IN_FLIGHT, Slot, State};
 use crate::alloc::claim::{Claim, PendingClaim};
 use crate::alloc::pool::ObjectRoom;
 use crate::alloc::{AllocError, Engine};
-use crate::store::{Datastore, Pool, StoreError};
+use crate::store::{Datastore, Listing, Pool, StoreError};
 
 /// Picks an address for every open job (lowest free first, each pick taken before the next) and
 /// claims them all at once. True when some claim was lost to another claimant.
@@ -23,7 +23,7 @@ pub(super) async fn claim_open<S: Datastore>(
         return Ok(false);
     }
     let pending = if slots.iter().any(|s| s.job.target.overlapping) {
-        engine.pending_claims(pool, None).await?
+        engine.pending_claims(pool, None, Listing::Cached).await?
     } else {
         Vec::new()
     };

@@ -6,9 +6,11 @@ use std::net::IpAddr;
 use futures::StreamExt;
 
 use super::{CLAIMS_IN_FLIGHT, Job};
-use crate::alloc::{Engine, remove_entries};
+use crate::alloc::announce::{HeldClaim, announce, withdraw};
+use crate::alloc::claim::PendingClaim;
+use crate::alloc::{Engine, Owner, remove_entries};
 use crate::crd::IPAllocation;
-use crate::store::{Datastore, Pool, StoreError};
+use crate::store::{Datastore, Listing, Pool, StoreError};
 
 /// Deletes the unrecorded claims of `jobs` (see [`Engine::withdraw_claims`]) with one claims list.
 async fn withdraw_claims<S: Datastore>(
@@ -21,25 +23,21 @@ async fn withdraw_claims<S: Datastore>(
         return Ok(());
     }
     let engine = Engine::new(store, target);
-    for claim in engine.pending_claims(pool, None).await? {
-        if jobs.iter().any(|j| claim.is_of(&j.who))
-            && let Some(ip) = target.ip(claim.offset)
-        {
-            engine.unclaim(ip, &claim.uid).await?;
-        }
-    }
-    Ok(())
+    let pending = (engine.pending_claims(pool, None, Listing::Consistent)).await?;
+    let mine: Vec<PendingClaim> = (pending.into_iter())
+        .filter(|claim| jobs.iter().any(|j| claim.is_of(&j.who)))
+        .collect();
+    let owners: Vec<&Owner> = jobs.iter().map(|j| &j.who).collect();
+    withdraw(store, target, &mine, &owners).await
 }
 
-/// A reservation to delete once its entry is gone: (name, uid, resourceVersion).
-type Held = (String, String, String);
-
 /// Releases the entries of each job's container and interface, all from the same pool: one pool
-/// read, each entry's reservation read (for the version to delete it at), one conditional write
-/// removing every entry still held by its container, then the reservations of the removed
-/// entries, each at the version read, so that one a new container of the pod took over meanwhile
-/// is kept. The DELs of a node's scaled-down deployment cost one pool write instead of one each.
-/// Results in job order: the addresses released.
+/// read, each entry's reservation read (for the version to delete it at) and, when a claims list
+/// may still show it, its release announced ([`announce`]), one conditional write removing every
+/// entry still held by its container, then the reservations of the removed entries, each at the
+/// version read or made, so that one a new container of the pod took over meanwhile is kept. The
+/// DELs of a node's scaled-down deployment cost one pool write instead of one each. Results in
+/// job order: the addresses released.
 pub async fn release_group<S: Datastore>(
     store: &S,
     jobs: &[Job],
@@ -79,9 +77,17 @@ async fn release_all<S: Datastore>(
     if mine.is_empty() {
         return Ok(jobs.iter().map(|_| Vec::new()).collect());
     }
-    let reservations = read_reservations(store, jobs, &mine).await?;
+    let mut reservations = read_reservations(store, jobs, &mine).await?;
+    announce(store, &mut reservations, CLAIMS_IN_FLIGHT).await?;
+    let announced: BTreeSet<u128> = mine
+        .iter()
+        .zip(&reservations)
+        .filter(|(_, r)| r.as_ref().is_some_and(|h| h.announced))
+        .map(|((_, o, _), _)| *o)
+        .collect();
     let entries: Vec<(u128, IPAllocation)> = mine.iter().map(|(_, o, e)| (*o, e.clone())).collect();
-    let gone: BTreeSet<u128> = remove_entries(store, &pool.name, &entries, Some(pool.clone()))
+    let read = Some(pool.clone());
+    let gone: BTreeSet<u128> = remove_entries(store, &pool.name, &entries, read, &announced)
         .await?
         .into_iter()
         .map(|(o, _)| o)
@@ -91,7 +97,7 @@ async fn release_all<S: Datastore>(
         .zip(&reservations)
         .filter(|((_, o, _), _)| gone.contains(o))
         .filter_map(|(_, r)| r.as_ref())
-        .map(|(name, uid, rv)| store.delete_reservation(name, uid, Some(rv)))
+        .map(|h| store.delete_reservation(&h.name, &h.uid, Some(&h.resource_version)))
         .collect::<Vec<_>>();
     futures::stream::iter(deletes)
         .buffer_unordered(CLAIMS_IN_FLIGHT)
@@ -117,7 +123,7 @@ async fn read_reservations<S: Datastore>(
     store: &S,
     jobs: &[Job],
     mine: &[(usize, u128, IPAllocation)],
-) -> Result<Vec<Option<Held>>, StoreError> {
+) -> Result<Vec<Option<HeldClaim>>, StoreError> {
     let reads: Vec<_> = mine
         .iter()
         .map(|(j, offset, entry)| {
@@ -129,11 +135,8 @@ async fn read_reservations<S: Datastore>(
                     return Ok(None);
                 };
                 let name = job.target.reservation(ip);
-                Ok(job
-                    .engine(store)
-                    .reservation_of(&name, entry)
-                    .await?
-                    .map(|r| (name, r.uid, r.resource_version)))
+                let held = job.engine(store).reservation_of(&name, entry).await?;
+                Ok(held.map(HeldClaim::of))
             }
         })
         .collect();

@@ -22,9 +22,9 @@ use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, Datastore, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite, RELEASING_LABEL,
-    RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn, TurnAttempt, Write,
-    claim_bucket, now_secs, recent_buckets,
+    CLAIMED_LABEL, Datastore, Listing, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
+    RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn,
+    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, NodeSlicePool, OverlappingRangeIPReservation,
@@ -315,24 +315,33 @@ impl Datastore for KubeStore {
         }
     }
 
-    async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
+    async fn claims_of(&self, pool: &str, listing: Listing) -> Result<Vec<PoolClaim>> {
         let [a, b, c] = recent_buckets(now_secs());
         let selector =
             format!("{POOL_LABEL}={pool},{CLAIMED_LABEL} in ({a},{b},{c}),!{RELEASING_LABEL}");
-        self.list_claims(pool, &selector).await
+        self.list_claims(pool, &selector, listing).await
     }
 
     async fn releases_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
         let [a, b, c] = recent_buckets(now_secs());
         let selector = format!("{POOL_LABEL}={pool},{RELEASING_LABEL} in ({a},{b},{c})");
-        self.list_claims(pool, &selector).await
+        self.list_claims(pool, &selector, Listing::Cached).await
     }
 
-    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<(Write, String)> {
+    async fn mark_releasing(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+    ) -> Result<(Write, String)> {
         // A uid in a patch must match the object's (it is immutable): a reservation re-made since
-        // it was read fails the patch (409 or 422), a lost condition.
+        // it was read fails the patch (409 or 422), a lost condition; so does a newer version.
         let bucket = claim_bucket(now_secs()).to_string();
-        let body = json!({"metadata": {"uid": uid, "labels": {RELEASING_LABEL: bucket}}});
+        let body = json!({"metadata": {
+            "uid": uid,
+            "resourceVersion": resource_version,
+            "labels": {RELEASING_LABEL: bucket},
+        }});
         self.patch_reservation(name, &body).await
     }
 
@@ -373,6 +382,12 @@ impl Datastore for KubeStore {
             uid: r.metadata.uid.unwrap_or_default(),
             resource_version: r.metadata.resource_version.unwrap_or_default(),
             created: r.metadata.creation_timestamp.map(|t| t.0.as_second()),
+            claimed: r
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(CLAIMED_LABEL))
+                .and_then(|b| b.parse().ok()),
             spec: r.spec,
         }))
     }

@@ -15,8 +15,8 @@ use crate::crd::{
     OverlappingRangeIPReservationSpec,
 };
 use crate::store::{
-    CLAIMED_LABEL, IP_ANNOTATION, POOL_LABEL, PoolClaim, PoolWrite, Result, TAKEN_AGAIN_ANNOTATION,
-    TURN_SECONDS, Write, claim_bucket, now_secs,
+    CLAIMED_LABEL, IP_ANNOTATION, Listing, POOL_LABEL, PoolClaim, PoolWrite, Result,
+    TAKEN_AGAIN_ANNOTATION, TURN_SECONDS, Write, claim_bucket, now_secs,
 };
 
 impl KubeStore {
@@ -100,11 +100,20 @@ impl KubeStore {
         }
     }
 
-    /// Our reservations of `pool` matching a label selector, with their addresses. Served from
-    /// the API server's watch cache: cheap, possibly a moment old, which is fine (each writer
-    /// adds its own claim or release explicitly).
-    pub(super) async fn list_claims(&self, pool: &str, selector: &str) -> Result<Vec<PoolClaim>> {
-        let params = ListParams::default().labels(selector).match_any();
+    /// Our reservations of `pool` matching a label selector, with their addresses, as fresh as
+    /// `listing` asks (see [`Listing`]).
+    pub(super) async fn list_claims(
+        &self,
+        pool: &str,
+        selector: &str,
+        listing: Listing,
+    ) -> Result<Vec<PoolClaim>> {
+        // No resourceVersion: a consistent read (served from the watch cache once it caught up
+        // with etcd, on the API servers we support). "0": whatever the cache has.
+        let params = match listing {
+            Listing::Cached => ListParams::default().labels(selector).match_any(),
+            Listing::Consistent => ListParams::default().labels(selector),
+        };
         let list = retrying(|| self.reservations.list(&params))
             .await
             .map_err(|e| {

@@ -38,6 +38,11 @@ pub struct MemoryStore {
     /// lagging cache does: `history` holds the states the last calls started from.
     lagging: std::sync::atomic::AtomicBool,
     history: Mutex<std::collections::VecDeque<State>>,
+    /// How long a reservation delete takes, in milliseconds: the round trip that separates a
+    /// release's removal of an entry from the deletion of its reservation on a real API server.
+    delete_latency: AtomicU64,
+    /// When set, the cached reads answer from this state: a watch cache stuck behind.
+    frozen: Mutex<Option<State>>,
 }
 
 /// How many calls back a lagging cached read may answer from.
@@ -57,6 +62,8 @@ impl Default for MemoryStore {
             waiting: AtomicUsize::new(0),
             lagging: Default::default(),
             history: Mutex::default(),
+            delete_latency: AtomicU64::new(0),
+            frozen: Mutex::default(),
         }
     }
 }
@@ -167,6 +174,7 @@ impl MemoryStore {
     pub fn age_reservations(&self, secs: i64) {
         for r in self.state.lock().unwrap().reservations.values_mut() {
             r.created = r.created.map(|c| c - secs);
+            r.claimed = r.created.map(crate::store::claim_bucket);
         }
     }
 
@@ -215,8 +223,36 @@ impl MemoryStore {
         self
     }
 
-    /// The state a cached read answers from: the current one, or, lagging, one of the last few.
+    /// Makes every reservation delete take `ms` milliseconds before it acts (see the field).
+    pub fn slow_deletes(self, ms: u64) -> Self {
+        self.delete_latency.store(ms, Ordering::Relaxed);
+        self
+    }
+
+    /// Waits as long as a reservation delete takes.
+    async fn delete_round_trip(&self) {
+        let ms = self.delete_latency.load(Ordering::Relaxed);
+        if ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+
+    /// Makes the cached reads answer from the state of this moment, until [`Self::thaw_cache`].
+    pub fn freeze_cache(&self) {
+        *self.frozen.lock().unwrap() = Some(self.state.lock().unwrap().clone());
+    }
+
+    /// Lets the cached reads catch up again.
+    pub fn thaw_cache(&self) {
+        *self.frozen.lock().unwrap() = None;
+    }
+
+    /// The state a cached read answers from: the frozen one if any, else the current one, or,
+    /// lagging, one of the last few.
     fn cached(&self) -> State {
+        if let Some(frozen) = self.frozen.lock().unwrap().clone() {
+            return frozen;
+        }
         let history = self.history.lock().unwrap();
         match fastrand::usize(..=history.len()) {
             i if i < history.len() => history[i].clone(),

@@ -11,8 +11,8 @@ use crate::crd::{
     IPAMClaim, IPAMClaimStatus, IPAllocation, NodeSlicePool, OverlappingRangeIPReservationSpec,
 };
 use crate::store::{
-    Datastore, PodFacts, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result, Turn,
-    TurnAttempt, Write,
+    Datastore, Listing, PodFacts, Pool, PoolChanges, PoolClaim, PoolWrite, Reservation, Result,
+    Turn, TurnAttempt, Write,
 };
 
 /// Watches a pool of a [`MemoryStore`].
@@ -260,6 +260,7 @@ impl Datastore for MemoryStore {
                 uid: uid.clone(),
                 spec: spec.clone(),
                 created: Some(now),
+                claimed: Some(crate::store::claim_bucket(now)),
                 resource_version: self.next.fetch_add(1, Ordering::Relaxed).to_string(),
             },
         );
@@ -267,11 +268,14 @@ impl Datastore for MemoryStore {
         Ok((Write::Done, uid))
     }
 
-    async fn claims_of(&self, pool: &str) -> Result<Vec<PoolClaim>> {
+    async fn claims_of(&self, pool: &str, listing: Listing) -> Result<Vec<PoolClaim>> {
         self.pause().await;
         self.check("list", pool)?;
         self.counted("claims_of");
-        let s = self.cached();
+        let s = match listing {
+            Listing::Cached => self.cached(),
+            Listing::Consistent => self.state.lock().unwrap().clone(),
+        };
         Ok(s.claims
             .iter()
             .filter(|(_, (p, _))| p == pool)
@@ -279,9 +283,7 @@ impl Datastore for MemoryStore {
                 let r = s.reservations.get(name)?;
                 // Only recent claims, as the Kubernetes store's claim-time label selects them.
                 let recent = crate::store::recent_buckets(crate::store::now_secs());
-                if !recent.contains(&crate::store::claim_bucket(r.created?))
-                    || s.releasing.contains_key(name)
-                {
+                if !recent.contains(&r.claimed?) || s.releasing.contains_key(name) {
                     return None;
                 }
                 Some(PoolClaim {
@@ -314,7 +316,12 @@ impl Datastore for MemoryStore {
             .collect())
     }
 
-    async fn mark_releasing(&self, name: &str, uid: &str) -> Result<(Write, String)> {
+    async fn mark_releasing(
+        &self,
+        name: &str,
+        uid: &str,
+        resource_version: &str,
+    ) -> Result<(Write, String)> {
         self.pause().await;
         self.check("patch", name)?;
         self.counted("mark_releasing");
@@ -322,7 +329,9 @@ impl Datastore for MemoryStore {
         let mut s = self.state.lock().unwrap();
         match s.reservations.get_mut(name) {
             None => Ok((Write::Missing, String::new())),
-            Some(r) if r.uid != uid => Ok((Write::Conflict, String::new())),
+            Some(r) if r.uid != uid || r.resource_version != resource_version => {
+                Ok((Write::Conflict, String::new()))
+            }
             Some(r) => {
                 r.resource_version = rv.clone();
                 let bucket = crate::store::claim_bucket(crate::store::now_secs());
@@ -334,6 +343,9 @@ impl Datastore for MemoryStore {
 
     async fn renew_claim(&self, name: &str, uid: &str, resource_version: &str) -> Result<Write> {
         self.patch_at("renew_claim", name, uid, resource_version, |s| {
+            if let Some(r) = s.reservations.get_mut(name) {
+                r.claimed = Some(crate::store::claim_bucket(crate::store::now_secs()));
+            }
             s.releasing.remove(name);
         })
         .await
@@ -368,6 +380,7 @@ impl Datastore for MemoryStore {
         uid: &str,
         resource_version: Option<&str>,
     ) -> Result<Write> {
+        self.delete_round_trip().await;
         self.check("delete", name)?;
         let mut s = self.state.lock().unwrap();
         match s.reservations.get(name) {
