@@ -92,6 +92,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
         bail!("--pool-namespace {namespace:?}: {problem}");
     }
     config.connect_timeout = Some(Duration::from_secs(10));
+    crate::kubeconfig::identify(&mut config, "agent");
     let store = KubeStore::over_http2(config, &namespace).context("kubernetes client")?;
     // The admin port first: a port taken is a configuration error to report before the socket
     // is taken over.

@@ -115,7 +115,8 @@ pub async fn run_audit(args: AuditArgs) -> u8 {
 }
 
 async fn client() -> anyhow::Result<Client> {
-    let (config, _) = crate::kubeconfig::load(None).await?;
+    let (mut config, _) = crate::kubeconfig::load(None).await?;
+    crate::kubeconfig::identify(&mut config, "audit");
     Ok(Client::try_from(config)?)
 }
 

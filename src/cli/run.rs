@@ -450,7 +450,8 @@ fn identity() -> String {
 }
 
 async fn client() -> anyhow::Result<(Client, String)> {
-    let (config, namespace) = crate::kubeconfig::load(None).await?;
+    let (mut config, namespace) = crate::kubeconfig::load(None).await?;
+    crate::kubeconfig::identify(&mut config, "operator");
     Ok((Client::try_from(config)?, namespace))
 }
 

@@ -136,6 +136,7 @@ async fn connect(req: &Request) -> Result<KubeStore, CniError> {
             })?;
     config.connect_timeout = Some(Duration::from_secs(10));
     config.read_timeout = Some(Duration::from_secs(30));
+    crate::kubeconfig::identify(&mut config, "plugin");
     let client = kube::Client::try_from(config)
         .map_err(|e| unavailable(format!("kubernetes client: {e}")))?;
     Ok(KubeStore::new(client, &namespace))

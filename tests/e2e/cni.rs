@@ -59,6 +59,14 @@ fn add_is_idempotent_and_del_frees_everything() {
     let again = ns.cni("ADD", &conf, "c1", "net1", "pod1", "u1").addresses();
     assert_eq!(first, again);
     assert_eq!(ns.allocations("10.10.10.0-24").len(), 1);
+    // The plugin names itself: the API server records it as the pool's writer.
+    let pool = ns
+        .get_json(&["ippool", "10.10.10.0-24", "--show-managed-fields"])
+        .unwrap();
+    let managers: Vec<&str> = (pool["metadata"]["managedFields"].as_array().unwrap().iter())
+        .filter_map(|m| m["manager"].as_str())
+        .collect();
+    assert!(managers.contains(&"whereabouts-plugin"), "{managers:?}");
     let del = ns.cni("DEL", &conf, "c1", "net1", "pod1", "u1");
     assert!(del.ok, "{:?}", del);
     assert!(ns.allocations("10.10.10.0-24").is_empty());
