@@ -46,15 +46,17 @@ node:
 # with faults injected, invariants checked after every round (e2e/chaos/README.md). `chaos` is the
 # long run whose figures are in docs/reliability.md; `chaos-smoke` is the short seeded run of
 # `make test`. Seed 2 found the earlier-sandbox leak (fixed): it stays the smoke run's seed.
-# CHAOS_ARGS=--overlap adds a second network over the first's addresses (e2e/chaos/chaos.py).
+# Both run a network in node slices next to the plain one (--sliced: a node per fleet member);
+# CHAOS_ARGS="--sliced --overlap" adds a second network over the first's addresses
+# (e2e/chaos/chaos.py).
 CHAOS_ROUNDS ?= 20
 CHAOS_SEED ?= 1
-CHAOS_ARGS ?=
+CHAOS_ARGS ?= --sliced
 chaos:
 	e2e/run-chaos.sh --rounds $(CHAOS_ROUNDS) --seed $(CHAOS_SEED) --json /tmp/wa-chaos-$(CHAOS_SEED).json $(CHAOS_ARGS)
 
 chaos-smoke:
-	e2e/run-chaos.sh --rounds 3 --seed 2
+	e2e/run-chaos.sh --rounds 3 --seed 2 --sliced
 
 # The OCI images of the node tier (whereabouts, pause, busybox), built with buildah, no registry.
 images:
