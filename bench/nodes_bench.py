@@ -288,7 +288,9 @@ class Mode:
         ClusterRole, and config/rbac/node-limits.yaml (the policies and the APF level;
         --node-policy off leaves the binding of the node-writes policy out)."""
         rbac = ROOT / "config" / "rbac"
-        self.kube.run("create", "namespace", "whereabouts-system", check=False)
+        # The install's two namespaces (the node's and, since the operator has its own, the
+        # operator's, which service_accounts.yaml names too).
+        self.kube.run("apply", "-f", str(ROOT / "config" / "namespace" / "namespace.yaml"))
         self.kube.run("apply", "-f", str(rbac / "service_accounts.yaml"))
         self.kube.run("apply", "-f", str(rbac / "node-limits.yaml"))
         if self.args.node_policy == "off":
