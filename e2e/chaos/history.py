@@ -5,8 +5,11 @@ history within minutes, so without this record the write that lost an entry cann
     python3 e2e/chaos/history.py WORKDIR ADDRESS
 
 prints, in order, each recorded version that changed ADDRESS's pool entry or its reservation, with
-the field manager of the write (`whereabouts-upstream` for upstream's plugin, `unknown` for ours,
-which sets none) and its time. The recorder is started by chaos.py (`History`).
+the field manager of the write and its time: `whereabouts-upstream` for upstream's plugin,
+`whereabouts-plugin`, `whereabouts-agent` or `whereabouts-operator` for ours. It is the object's
+most recent manager, whose times count whole seconds: two writers within one second may be
+swapped. Reservations are matched with or without a `network_name-` prefix. The recorder is
+started by chaos.py (`History`).
 """
 
 import ipaddress
@@ -82,6 +85,7 @@ def report(work, address):
 
 def changes(work, address):
     ip = ipaddress.ip_address(address)
+    reservation = str(ip) if ip.version == 4 else ip.exploded.replace(":", "-")
     seen = {}
     for event in events(work / "history-ippools.json"):
         pool = event.get("object", {})
@@ -97,7 +101,9 @@ def changes(work, address):
             yield rv, f"rv {rv} pool {name}[{key}] = {entry} ({writer(pool)})"
     for event in events(work / "history-overlappingrangeipreservations.json"):
         claim = event.get("object", {})
-        if claim.get("metadata", {}).get("name") != address:
+        # Named `[<network_name>-]<address>` (IPv6 with `-` for `:`).
+        name = claim.get("metadata", {}).get("name", "")
+        if name != reservation and not name.endswith(f"-{reservation}"):
             continue
         state = (event["type"], claim.get("spec"), claim["metadata"].get("uid"))
         if seen.get("claim") != state:
