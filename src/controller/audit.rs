@@ -215,7 +215,7 @@ impl Auditor {
             }
             self.entries.forget(&key);
         }
-        let (orphans, due, unclaimed) = self.claims(ctx, &pools, unreadable, now);
+        let (orphans, due, unclaimed) = self.claims(ctx, &pools, &live, unreadable, now);
         report.orphans = orphans + unclaimed.len();
         if !due.is_empty() {
             report.released_orphans = self.release_orphans(ctx, due).await?;

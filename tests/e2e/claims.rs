@@ -189,3 +189,55 @@ fn upstreams_second_range_left_unclaimed_after_it_reused_its_pods_claim_gets_one
     );
     assert_eq!(claims["10.81.0.1"]["podref"], podref, "{claims:?}");
 }
+
+/// A claim whose pool entry is gone while its pod still reports the address (Multus's
+/// network-status) is not swept: in the chaos tier an upstream ADD cut off by an API server crash
+/// reported its address and reserved it without a pool entry, and sweeping the claim let
+/// upstream hand the address to a second pod. Once the pod is gone it is swept.
+#[test]
+fn a_claim_whose_pod_reports_its_address_is_not_swept_while_the_pod_lives() {
+    let ns = Ns::new("claims-held");
+    let status = json!([{"name": format!("{}/lan", ns.name), "interface": "net1",
+        "ips": ["10.78.0.6"], "default": false}]);
+    let annotations = std::collections::BTreeMap::from([(
+        "k8s.v1.cni.cncf.io/network-status".to_string(),
+        status.to_string(),
+    )]);
+    ns.create_pod("held", &annotations);
+    let op = operator(&ns, "2s");
+    // Upstream's claim: no container id or pod UID; another of the same pod that it does not report.
+    for (name, ip) in [("10.78.0.6", "10.78.0.6"), ("10.78.0.7", "10.78.0.7")] {
+        apply(
+            &ns,
+            json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+            "metadata": {"name": name, "namespace": ns.name},
+            "spec": {"podref": format!("{}/held", ns.name), "ifname": "net1"}}),
+        );
+        assert!(ns.reservations().contains_key(ip));
+    }
+    assert!(
+        eventually(30, || !ns.reservations().contains_key("10.78.0.7")),
+        "the claim its pod does not report stayed\n{}",
+        op.log()
+    );
+    // Audits every second, the claim old enough for seconds already: only the pod keeps it.
+    std::thread::sleep(Duration::from_secs(6));
+    assert!(
+        ns.reservations().contains_key("10.78.0.6"),
+        "swept while its pod reports it\n{}",
+        op.log()
+    );
+    ns.kubectl_ok(&[
+        "delete",
+        "pod",
+        "held",
+        "--wait=false",
+        "--grace-period=0",
+        "--force",
+    ]);
+    assert!(
+        eventually(30, || !ns.reservations().contains_key("10.78.0.6")),
+        "the claim stayed after its pod went\n{}",
+        op.log()
+    );
+}

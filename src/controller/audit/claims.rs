@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 
-use super::{Auditor, EntryKey, Report};
+use super::{Auditor, EntryKey, LivePods, Report};
 use crate::alloc::CLAIM_LIFETIME;
 use crate::controller::Context;
 use crate::controller::pools::{KnownBy, PoolView};
@@ -57,6 +57,28 @@ pub fn last_written(r: &OverlappingRangeIPReservation) -> Option<i64> {
 /// with no time on it (not one the API server made) is judged by the sightings alone.
 pub fn old_enough(r: &OverlappingRangeIPReservation, now: i64, age: Duration) -> bool {
     last_written(r).is_none_or(|at| now - at >= age.as_secs() as i64)
+}
+
+/// Whether `r`'s pod still reports the address it guards (Multus's `network-status`), as the same
+/// incarnation when the claim records one. Such a claim is spared by the sweep even without a
+/// pool entry: the pod holds the address, and the claim is all that keeps every pool of its range
+/// from handing it out again. Seen in the chaos tier: an upstream ADD cut off by an API server
+/// crash reported its address, reserved it, and its pool entry was gone; sweeping the claim let
+/// upstream give the address to a second pod. It is swept once the pod is gone or reports
+/// another address.
+pub fn reported_by_its_pod(r: &OverlappingRangeIPReservation, live: &LivePods) -> bool {
+    let spec = &r.spec;
+    if !spec.poduid.is_empty() && live.uids.get(&spec.podref) != Some(&spec.poduid) {
+        return false;
+    }
+    let Some(interfaces) = live.interfaces.get(&spec.podref) else {
+        return false;
+    };
+    let name = r.name_any();
+    interfaces.values().flatten().any(|ip| {
+        let bare = reservation_name(None, *ip);
+        name == bare || name.ends_with(&format!("-{bare}"))
+    })
 }
 
 /// The NAD ranges that take no claims (`enable_overlapping_ranges` false): the entries of their
@@ -200,6 +222,7 @@ impl Auditor {
         &mut self,
         ctx: &Context,
         pools: &[PoolView],
+        live: &LivePods,
         unreadable: usize,
         now: Instant,
     ) -> (usize, Vec<(String, String, String)>, Vec<EntryKey>) {
@@ -218,7 +241,7 @@ impl Auditor {
         let orphans: Vec<(String, String, String)> = cached
             .iter()
             .filter(|r| unreadable == 0 && !expected.contains(&r.name_any()))
-            .filter(|r| old_enough(r, wall, age))
+            .filter(|r| old_enough(r, wall, age) && !reported_by_its_pod(r, live))
             .map(|r| {
                 let rv = r.resource_version().unwrap_or_default();
                 (r.name_any(), r.uid().unwrap_or_default(), rv)
@@ -318,6 +341,8 @@ impl Auditor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
+
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
 
     fn at(secs: i64) -> Time {
@@ -341,6 +366,44 @@ mod tests {
                 .insert(RENEWED_ANNOTATION.into(), t.to_string());
         }
         r
+    }
+
+    /// A claim without a pool entry whose pod still reports its address is not an orphan: an
+    /// upstream one (no UID) of a pod that lists it, on any interface, with or without a
+    /// network_name prefix; ours only for the same pod incarnation. Not when the pod is gone or
+    /// reports another address.
+    #[test]
+    fn a_claim_whose_pod_reports_its_address_is_spared() {
+        let mut live = LivePods::default();
+        live.uids.insert("ns/a".into(), "uid-a".into());
+        let addresses = |ips: &[&str]| -> HashMap<String, Vec<std::net::IpAddr>> {
+            HashMap::from([(
+                "net1".into(),
+                ips.iter().map(|i| i.parse().unwrap()).collect(),
+            )])
+        };
+        live.interfaces
+            .insert("ns/a".into(), addresses(&["10.0.0.9", "fd00::9"]));
+        let of = |name: &str, podref: &str, poduid: &str| {
+            let spec = crate::crd::OverlappingRangeIPReservationSpec {
+                podref: podref.into(),
+                poduid: poduid.into(),
+                ..Default::default()
+            };
+            OverlappingRangeIPReservation::new(name, spec)
+        };
+        assert!(reported_by_its_pod(&of("10.0.0.9", "ns/a", ""), &live));
+        assert!(reported_by_its_pod(
+            &of("shared-10.0.0.9", "ns/a", ""),
+            &live
+        ));
+        assert!(reported_by_its_pod(&of("fd00--9", "ns/a", "uid-a"), &live));
+        assert!(!reported_by_its_pod(
+            &of("10.0.0.9", "ns/a", "uid-old"),
+            &live
+        ));
+        assert!(!reported_by_its_pod(&of("10.0.0.19", "ns/a", ""), &live));
+        assert!(!reported_by_its_pod(&of("10.0.0.9", "ns/gone", ""), &live));
     }
 
     #[test]
