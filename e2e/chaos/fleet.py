@@ -15,7 +15,7 @@ import time
 from common import (
     AUDIT_INTERVAL, DELETED_POD_GRACE, EVICTION_NODE, HANG_S, IFNAME, KUBECTL, MEMBERS, NAD_API,
     NETWORK, NETWORK_B, NETWORK_C, NETWORK_S, NODE_HEARTBEAT_S, ORPHAN_CLAIM_AGE, RANGES,
-    SHARED_NAME, SLICE_SIZE, SLICES_S, STALE_GRACE, log)
+    ROOT, SHARED_NAME, SLICE_SIZE, SLICES_S, STALE_GRACE, log)
 from history import History
 from ledger import Ledger
 
@@ -62,10 +62,12 @@ class Fleet:
         subprocess.run([str(KUBECTL), "--kubeconfig", str(self.kubeconfig), "config",
                         "set-context", "--current", f"--namespace={self.ns}"],
                        check=True, capture_output=True)
+        upstream_kubeconfig = self.upstream_identity()
         for member in MEMBERS:
             # The node's flat file decides where the plugin logs (ours ignores a network
             # config's log_file; upstream reads it from the flat file as well).
-            flat = {"kubernetes": {"kubeconfig": str(self.kubeconfig)},
+            kubeconfig = upstream_kubeconfig if member == "upstream" else self.kubeconfig
+            flat = {"kubernetes": {"kubeconfig": str(kubeconfig)},
                     "log_file": str(self.work / f"{member}-plugin.log")}
             if member == "agent":
                 flat["agent_socket"] = str(self.socket)
@@ -99,6 +101,38 @@ class Fleet:
             self.start_operator()
         if self.args.sliced:
             self.wait_for_slices()
+
+    def upstream_identity(self):
+        """Upstream's plugin runs as a service account of its own, with its ClusterRole's rules in
+        the pool namespace (its daemonset-install.yaml), as its DaemonSet does; ours keep the
+        admin's kubeconfig. With config/rbac/claims-kept.yaml applied, as in an install: its
+        deletes of our claims by name are refused. Returns the account's kubeconfig."""
+        name, ns_api = "whereabouts-upstream", f"/api/v1/namespaces/{self.ns}"
+        rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{self.ns}"
+        self.kube.ok("POST", f"{ns_api}/serviceaccounts", {"metadata": {"name": name}})
+        rules = [{"apiGroups": ["whereabouts.cni.cncf.io"],
+                  "resources": ["ippools", "overlappingrangeipreservations", "nodeslicepools"],
+                  "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+                 {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["*"]},
+                 {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+        self.kube.ok("POST", f"{rbac}/roles", {"metadata": {"name": name}, "rules": rules})
+        self.kube.ok("POST", f"{rbac}/rolebindings", {
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": self.ns}]})
+        token = self.kube.ok("POST", f"{ns_api}/serviceaccounts/{name}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 86400}})["status"]["token"]
+        kubeconfig = self.work / "upstream.kubeconfig"
+        subprocess.run(["cp", str(self.kubeconfig), str(kubeconfig)], check=True)
+        for args in (["set-credentials", name, f"--token={token}"],
+                     ["set-context", "--current", f"--user={name}"]):
+            subprocess.run([str(KUBECTL), "--kubeconfig", str(kubeconfig), "config", *args],
+                           check=True, capture_output=True)
+        subprocess.run([str(KUBECTL), "--kubeconfig", self.args.kubeconfig, "apply", "-f",
+                        str(ROOT / "config" / "rbac" / "claims-kept.yaml")],
+                       check=True, capture_output=True)
+        return kubeconfig
 
     def wait_for_slices(self):
         """Until the operator's slice planner has given every member's node a slice."""

@@ -4,9 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{Value, json};
 
-use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, repo};
+use crate::harness::{
+    Cni, CniCall, Ns, OperatorProcess, eventually, kustomize, repo, token_kubeconfig,
+};
 
 /// A fast audit; claims younger than `age` are spared.
 fn operator(ns: &Ns, age: &str) -> OperatorProcess {
@@ -239,5 +241,160 @@ fn a_claim_whose_pod_reports_its_address_is_not_swept_while_the_pod_lives() {
         eventually(30, || !ns.reservations().contains_key("10.78.0.6")),
         "the claim stayed after its pod went\n{}",
         op.log()
+    );
+}
+
+/// A service account of upstream's own, with the rules of upstream's ClusterRole (its
+/// daemonset-install.yaml) in `ns`, the pool namespace: a kubeconfig with its token.
+fn upstream_account(ns: &Ns) -> std::path::PathBuf {
+    ns.kubectl_ok(&["create", "serviceaccount", "whereabouts-upstream"]);
+    ns.kubectl_ok(&[
+        "create",
+        "role",
+        "whereabouts-upstream",
+        "--verb=get,list,watch,create,update,patch,delete",
+        "--resource=ippools.whereabouts.cni.cncf.io,overlappingrangeipreservations.whereabouts.cni.cncf.io,leases.coordination.k8s.io,pods",
+    ]);
+    ns.kubectl_ok(&[
+        "create",
+        "rolebinding",
+        "whereabouts-upstream",
+        "--role=whereabouts-upstream",
+        &format!("--serviceaccount={}:whereabouts-upstream", ns.name),
+    ]);
+    let token = ns.kubectl_ok(&["create", "token", "whereabouts-upstream", "--duration=10m"]);
+    token_kubeconfig(ns, "upstream.kubeconfig", token.trim())
+}
+
+/// Upstream's plugin under `kubeconfig` for pod `pod` (container `container`), on `conf` with
+/// `extra` merged into its ipam section.
+fn upstream(
+    ns: &Ns,
+    kubeconfig: &std::path::Path,
+    conf: &Value,
+    extra: Value,
+    pod: &str,
+    container: &str,
+    command: &str,
+) -> std::process::Child {
+    let flat = ns.dir.path().join("upstream.conf");
+    std::fs::write(
+        &flat,
+        json!({"kubernetes": {"kubeconfig": kubeconfig}}).to_string(),
+    )
+    .unwrap();
+    let mut conf = conf.clone();
+    conf["ipam"]["configuration_path"] = flat.to_str().unwrap().into();
+    for (k, v) in extra.as_object().unwrap() {
+        conf["ipam"][k] = v.clone();
+    }
+    CniCall {
+        command,
+        conf: &conf,
+        container,
+        ifname: "net1",
+        netns: "/var/run/netns/none",
+        args: &format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
+            ns.name
+        ),
+        path: None,
+    }
+    .spawn(repo().join("bench/bin/whereabouts-upstream"))
+}
+
+/// Upstream's DEL, run under a service account of its own, deletes the reservation of the address
+/// its pool entry had by name, with no precondition. When its ADD lost the race for that address
+/// to ours (it writes its pool before its reservation), that reservation is our running pod's
+/// claim, and its retry took the address again: two pods on one address (the chaos tier, with
+/// overlapping pools). config/rbac/claims-kept.yaml refuses that delete to every service account
+/// but ours; upstream's DEL still succeeds, its entry is gone, and its retry gets another address.
+#[test]
+fn upstreams_del_does_not_delete_our_claim_of_the_address_it_lost() {
+    let ns = Ns::new("claims-kept");
+    let kept: Vec<Value> = kustomize("config/default")
+        .into_iter()
+        .filter(|o| o["metadata"]["name"] == "whereabouts-claims-kept")
+        .collect();
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": kept});
+    ns.kubectl_ok_stdin(&["apply", "-f", "-"], &list.to_string());
+    let account = upstream_account(&ns);
+    // Ours on 10.82.0.0/23, upstream's on the /22 that holds it: the same reservation names.
+    let ours = ns.netconf("0.4.0", json!({"range": "10.82.0.0/23"}));
+    let theirs = ns.netconf("0.4.0", json!({"range": "10.82.0.0/22"}));
+    // Upstream's ADD checks that 10.82.0.1 is unreserved, then waits before its pool write...
+    let lost = upstream(
+        &ns,
+        &account,
+        &theirs,
+        json!({"sleep_for_race": 4}),
+        "theirs",
+        "c-up-0",
+        "ADD",
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    // ... while ours takes the address and reserves it for its pod.
+    let mine = ns.cni("ADD", &ours, "c-mine", "net1", "mine", "uid-mine");
+    assert_eq!(mine.addresses(), ["10.82.0.1/23"], "{mine:?}");
+    let lost = Cni::from(lost.wait_with_output().unwrap());
+    assert!(!lost.ok, "upstream's ADD did not lose the race: {lost:?}");
+    assert_eq!(
+        ns.allocations("10.82.0.0-22").len(),
+        1,
+        "upstream's entry of its lost ADD"
+    );
+    // The runtime's DEL of that sandbox: its entry goes, our claim stays; it reports no error.
+    let del = Cni::from(
+        upstream(&ns, &account, &theirs, json!({}), "theirs", "c-up-0", "DEL")
+            .wait_with_output()
+            .unwrap(),
+    );
+    assert!(del.ok, "{del:?}");
+    assert!(
+        ns.allocations("10.82.0.0-22").is_empty(),
+        "upstream's entry stayed"
+    );
+    let claims = ns.reservations();
+    assert_eq!(
+        claims["10.82.0.1"]["podref"],
+        format!("{}/mine", ns.name),
+        "{claims:?}"
+    );
+    // The runtime's retry: another address.
+    let retry = Cni::from(
+        upstream(&ns, &account, &theirs, json!({}), "theirs", "c-up-1", "ADD")
+            .wait_with_output()
+            .unwrap(),
+    );
+    assert_eq!(retry.addresses(), ["10.82.0.2/22"], "{retry:?}");
+    // Ours may still release its claim; and upstream its own (no container id).
+    let freed = ns.cni("DEL", &ours, "c-mine", "net1", "mine", "uid-mine");
+    assert!(
+        freed.ok && !ns.reservations().contains_key("10.82.0.1"),
+        "{freed:?}"
+    );
+    let del = Cni::from(
+        upstream(&ns, &account, &theirs, json!({}), "theirs", "c-up-1", "DEL")
+            .wait_with_output()
+            .unwrap(),
+    );
+    assert!(
+        del.ok && ns.reservations().is_empty(),
+        "{del:?} {:?}",
+        ns.reservations()
+    );
+    // The namespace controller may delete our claims: a namespace with one goes.
+    let again = ns.cni("ADD", &ours, "c-again", "net1", "again", "uid-again");
+    assert!(again.ok, "{again:?}");
+    ns.kubectl_ok(&["delete", "namespace", &ns.name, "--wait=false"]);
+    assert!(
+        eventually(60, || ns
+            .kubectl(&["get", "namespace", &ns.name], None)
+            .status
+            .code()
+            == Some(1)),
+        "namespace {} with our claim stayed",
+        ns.name
     );
 }

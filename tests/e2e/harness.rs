@@ -617,3 +617,20 @@ pub fn cluster_env(key: &str) -> String {
         .unwrap_or_else(|| panic!("{key} not in cluster.env"))
         .to_owned()
 }
+
+/// A kubeconfig `file` in the test's directory: a service account's `token`, context namespace
+/// `ns` (the pool namespace).
+pub fn token_kubeconfig(ns: &Ns, file: &str, token: &str) -> PathBuf {
+    let kubeconfig = ns.dir.path().join(file);
+    let text = serde_json::json!({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {
+            "server": cluster_env("APISERVER_URL"),
+            "certificate-authority": cluster_env("CA_CERT")}}],
+        "users": [{"name": "node", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
+        "current-context": "c",
+    });
+    std::fs::write(&kubeconfig, text.to_string()).unwrap();
+    kubeconfig
+}

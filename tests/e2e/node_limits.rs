@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use std::collections::BTreeSet;
 
 use crate::harness::{
-    Cni, CniCall, Ns, admin_kubeconfig, cluster_env, eventually, kubectl_raw, kustomize,
+    Cni, CniCall, Ns, admin_kubeconfig, eventually, kubectl_raw, kustomize, token_kubeconfig,
 };
 use crate::slices::{SimNode, upstream_bin};
 
@@ -32,26 +32,13 @@ fn admin(args: &[&str], stdin: Option<&str>) -> String {
 /// their bindings, the FlowSchema and its priority level.
 fn is_node_limit(o: &Value) -> bool {
     let kind = o["kind"].as_str().unwrap_or_default();
-    kind.starts_with("ValidatingAdmissionPolicy")
+    (kind.starts_with("ValidatingAdmissionPolicy")
+        && o["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("whereabouts-node-"))
         || kind == "FlowSchema"
         || kind == "PriorityLevelConfiguration"
-}
-
-/// A kubeconfig `file` in the test's directory: the node account's `token`, context namespace
-/// `ns` (the pool namespace).
-fn token_kubeconfig(ns: &Ns, file: &str, token: &str) -> PathBuf {
-    let kubeconfig = ns.dir.path().join(file);
-    let text = json!({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {
-            "server": cluster_env("APISERVER_URL"),
-            "certificate-authority": cluster_env("CA_CERT")}}],
-        "users": [{"name": "node", "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "node", "namespace": ns.name}}],
-        "current-context": "c",
-    });
-    std::fs::write(&kubeconfig, text.to_string()).unwrap();
-    kubeconfig
 }
 
 /// Applies the policy and flow objects as config/default renders them, the real node account, and
@@ -208,6 +195,28 @@ fn node_rights(ns: &Ns) {
     admin(&["apply", "-f", "-"], Some(&list.to_string()));
 }
 
+/// Deletes reservation `name` with `kubeconfig` as our plugin does, on the condition of the UID it
+/// read (the claims-kept policy refuses a service account's delete of ours by name alone); a
+/// server-side dry run when `dry`.
+fn delete_claim(ns: &Ns, kubeconfig: &Path, name: &str, dry: bool) -> std::process::Output {
+    let jsonpath = "jsonpath={.metadata.uid}";
+    let uid = ns.kubectl_ok(&["get", "overlappingrangeipreservation", name, "-o", jsonpath]);
+    let mut options =
+        json!({"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid.trim()}});
+    if dry {
+        // In the body: a body's options replace the query's.
+        options["dryRun"] = json!(["All"]);
+    }
+    let body = ns.dir.path().join("delete-options.json");
+    std::fs::write(&body, options.to_string()).unwrap();
+    let path = format!(
+        "/apis/whereabouts.cni.cncf.io/v1alpha1/namespaces/{}/overlappingrangeipreservations/{name}",
+        ns.name
+    );
+    let body = body.to_str().unwrap();
+    kubectl_raw(kubeconfig, &["delete", "--raw", &path, "-f", body], None)
+}
+
 /// Runs `args` with `kubeconfig` and asserts that the API server refuses it with `why`. An
 /// admission policy takes effect a while after it is created, so this first waits until a
 /// server-side dry run of the same request is refused (policies judge dry runs too, and nothing
@@ -347,9 +356,17 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     let out = kubectl_raw(&a_creds, &["delete", "ippool", pool], None);
     denied(&out, "forbidden");
     let b1_claim = format!("10.94.0.{b1}");
-    let delete = ["delete", "overlappingrangeipreservation", &b1_claim];
     let why = format!("not {b1_claim} (node {})", b.name);
-    refused_once_loaded(&a_creds, &delete, None, &why);
+    let refused = |out: &std::process::Output| {
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(&why)
+    };
+    assert!(
+        eventually(60, || refused(&delete_claim(
+            &ns, &a_creds, &b1_claim, true
+        ))),
+        "never refused with {why:?}"
+    );
+    denied(&delete_claim(&ns, &a_creds, &b1_claim, false), &why);
     let claim = json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
         "metadata": {"name": "10.94.0.99"}, "spec": {"podref": "x/y", "containerid": "c", "node": b.name}});
     let why = "may write only its own node's reservations";
