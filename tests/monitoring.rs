@@ -94,6 +94,7 @@ fn the_issue_metric_names_are_all_defined() {
         "whereabouts_network_allocated_addresses",
         "whereabouts_stale_reservations",
         "whereabouts_orphan_reservations",
+        "whereabouts_addresses_held_twice",
         "whereabouts_releases_total",
         "whereabouts_release_errors_total",
         "whereabouts_reconcile_total",

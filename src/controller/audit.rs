@@ -25,6 +25,7 @@ use crate::ownership::{
 use crate::store::{Datastore, StoreError, TURN_LABEL, TURN_SECONDS};
 
 mod claims;
+mod doubles;
 pub use claims::{
     ORPHAN_CLAIM_AGE, Restored, Unguarded, expected_reservations, last_written, unclaimed,
 };
@@ -78,8 +79,10 @@ pub struct Report {
     pub orphans: usize,
     /// Missing claims of pool entries that were re-created.
     pub restored_claims: usize,
-    /// Pool entries whose address another pod's claim holds.
+    /// Pool entries whose address another pod's claim holds, found when re-creating the claim.
     pub foreign_claims: usize,
+    /// Addresses two pods have held for the grace period (entries, or an entry and its claim).
+    pub held_twice: usize,
     pub released: usize,
     pub released_orphans: usize,
     /// Pools' writer turns removed because their plugin was killed while holding them.
@@ -176,6 +179,8 @@ pub struct Auditor {
     orphans: Suspects<(String, String, String)>,
     /// Pool entries of guarded networks without their claim.
     unclaimed: Suspects<EntryKey>,
+    /// Addresses two pods hold: the claim's name and the holders.
+    doubles: Suspects<doubles::HeldTwice>,
     /// Writer-turn Leases by (name, uid, resourceVersion): one seen unchanged on two audits at
     /// least the grace period apart was abandoned by a killed plugin.
     turns: Suspects<(String, String, String)>,
@@ -187,6 +192,7 @@ impl Auditor {
             entries: Suspects::default(),
             orphans: Suspects::default(),
             unclaimed: Suspects::default(),
+            doubles: Suspects::default(),
             turns: Suspects::default(),
         }
     }
@@ -215,6 +221,7 @@ impl Auditor {
             }
             self.entries.forget(&key);
         }
+        report.held_twice = self.held_twice(ctx, &pools, now);
         let (orphans, due, unclaimed) = self.claims(ctx, &pools, &live, unreadable, now);
         report.orphans = orphans + unclaimed.len();
         if !due.is_empty() {

@@ -32,7 +32,8 @@ pub(super) async fn audit_loop(ctx: Arc<Context>) {
         let started = std::time::Instant::now();
         match auditor.run_once(&ctx).await {
             Ok(report) => {
-                ctx.metrics.set_audit(&report.stale, report.orphans);
+                ctx.metrics
+                    .set_audit(&report.stale, report.orphans, report.held_twice);
                 if report.released > 0 || report.released_orphans > 0 {
                     tracing::info!(?report, "audit released stale addresses");
                 }

@@ -26,6 +26,7 @@ pub struct Metrics {
     pub reconcile_duration: HistogramVec,
     pub stale: IntGaugeVec,
     pub orphans: IntGauge,
+    pub held_twice: IntGauge,
     pub claims_restored: prometheus::IntCounter,
     pub releases_waiting: IntGaugeVec,
     pub node_slices: IntGaugeVec,
@@ -101,6 +102,7 @@ impl Metrics {
             nodes_without_slice: register(&r, IntGaugeVec::new(Opts::new("whereabouts_nodes_without_slice", "Nodes the operator could not give a slice of this NodeSlicePool (every slice is taken): their pods on this network fail."), &["nodeslicepool"]).unwrap()),
             releases_waiting: register(&r, IntGaugeVec::new(Opts::new("whereabouts_releases_waiting", "Deleted pods holding addresses whose release waits for their node's kubelet to DEL them, by reason (kubelet_grace: a Ready node, within --deleted-pod-grace; node_not_ready: until the node is Ready again or deleted)."), &["reason"]).unwrap()),
             orphans: register(&r, IntGauge::new("whereabouts_orphan_reservations", "Reservations without a pool entry plus pool entries without their reservation, as last audited.").unwrap()),
+            held_twice: register(&r, IntGauge::new("whereabouts_addresses_held_twice", "Addresses that two pods have held for the grace period, as last audited: entries of different pods in pools of overlapping ranges, or an entry whose claim names another pod. The operator's log names each address and its holders.").unwrap()),
             claims_restored: register(&r, prometheus::IntCounter::new("whereabouts_claims_restored_total", "Reservations the audit re-created for pool entries that had lost theirs (deleted by upstream's DEL, or by hand), so that no overlapping range hands the address out again.").unwrap()),
             leader: register(&r, IntGauge::new("whereabouts_leader", "1 when this replica is the leader.").unwrap()),
             build_info: build_info(&r),
@@ -148,8 +150,9 @@ impl Metrics {
     }
 
     /// Replaces the stale gauges with the latest audit's figures: stale entries per pool (pools
-    /// no longer stale drop to 0) and the orphan count.
-    pub fn set_audit(&self, stale: &HashMap<String, usize>, orphans: usize) {
+    /// no longer stale drop to 0), the orphan count and the addresses held twice.
+    pub fn set_audit(&self, stale: &HashMap<String, usize>, orphans: usize, held_twice: usize) {
+        self.held_twice.set(held_twice as i64);
         self.stale.reset();
         for (pool, n) in stale {
             self.stale.with_label_values(&[pool]).set(*n as i64);
@@ -220,6 +223,7 @@ impl Metrics {
             &self.reconcile_duration,
             &self.stale,
             &self.orphans,
+            &self.held_twice,
             &self.claims_restored,
             &self.node_slices,
             &self.nodes_without_slice,

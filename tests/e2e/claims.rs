@@ -398,3 +398,65 @@ fn upstreams_del_does_not_delete_our_claim_of_the_address_it_lost() {
         ns.name
     );
 }
+
+/// Two pods on one address, which the audit cannot repair (which of them should move?), are
+/// reported: entries of two pods in overlapping pools, and an entry whose claim names another
+/// pod. The gauge counts them, the log names the pods, and both clear once repaired.
+#[test]
+fn an_address_two_pods_hold_is_reported_until_it_is_not() {
+    let ns = Ns::new("claims-twice");
+    for pod in ["a", "b", "x", "y"] {
+        ns.create_pod(pod, &Default::default());
+    }
+    let entry = |pod: &str| json!({"id": format!("c-{pod}"), "podref": format!("{}/{pod}", ns.name), "ifname": "net1"});
+    let pool = |range: &str, allocations: Value| {
+        let name = range.replace('/', "-");
+        json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "IPPool",
+            "metadata": {"name": name, "namespace": ns.name},
+            "spec": {"range": range, "allocations": allocations}})
+    };
+    apply(
+        &ns,
+        pool("10.83.0.0/23", json!({"1": entry("a"), "2": entry("b")})),
+    );
+    apply(&ns, pool("10.83.0.0/22", json!({"1": entry("x")})));
+    for (address, pod) in [("10.83.0.1", "a"), ("10.83.0.2", "y")] {
+        apply(
+            &ns,
+            json!({"apiVersion": "whereabouts.cni.cncf.io/v1alpha1", "kind": "OverlappingRangeIPReservation",
+            "metadata": {"name": address, "namespace": ns.name},
+            "spec": {"podref": format!("{}/{pod}", ns.name), "containerid": format!("c-{pod}"), "ifname": "net1"}}),
+        );
+    }
+    let op = operator(&ns, "3m");
+    let op = &op;
+    let gauge = |n: usize| {
+        let line = format!("whereabouts_addresses_held_twice {n}\n");
+        move || op.get("/metrics").is_some_and(|m| m.contains(&line))
+    };
+    assert!(eventually(30, gauge(2)), "{}", op.log());
+    let log = op.log();
+    for pod in ["a", "b", "x", "y"] {
+        let holder = format!("{}/{pod} (net1)", ns.name);
+        assert!(log.contains(&holder), "{holder} not named\n{log}");
+    }
+    assert!(log.contains("two pods hold one address"), "{log}");
+    // Repaired: x's entry goes (its pod given another address), b's claim is b's.
+    ns.kubectl_ok(&[
+        "patch",
+        "ippool",
+        "10.83.0.0-22",
+        "--type=json",
+        "-p",
+        r#"[{"op": "remove", "path": "/spec/allocations/1"}]"#,
+    ]);
+    ns.kubectl_ok(&[
+        "patch",
+        "overlappingrangeipreservation",
+        "10.83.0.2",
+        "--type=merge",
+        "-p",
+        &json!({"spec": {"podref": format!("{}/b", ns.name), "containerid": "c-b"}}).to_string(),
+    ]);
+    assert!(eventually(30, gauge(0)), "{}", op.log());
+}
