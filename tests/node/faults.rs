@@ -1,5 +1,5 @@
 //! The node misbehaving: a kubelet that dies with its pods force-deleted, the agent and containerd
-//! restarted under load, the DaemonSet rolled while pods start.
+//! restarted under load, the DaemonSet rolled while pods start, the API server paused mid-burst.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -324,4 +324,48 @@ fn roll_node_daemonset(image: &str) {
         "daemonset/whereabouts-node",
         "--timeout=180s",
     ]);
+}
+
+/// An ADD slowed past the sweep's age (issue 25): the API server paused for longer than the
+/// operator's orphan-claim age (40 s in this tier) while a burst of pods starts, so that claims
+/// made before the pause are older than that age when it resumes, their entries not yet
+/// recorded, and the operator, the agent and the kubelet all resume at once. Whatever each ADD
+/// does then (records its entry, or runs out of time and is retried by the kubelet with a new
+/// sandbox), no two pods share an address, and the pools end with exactly the pods' entries and
+/// claims, through later audits too.
+#[test]
+fn an_api_server_paused_past_the_sweeps_age_mid_burst_ends_in_no_duplicate() {
+    let _node = node();
+    let w = Workload::new("paused");
+    w.deployment("web", 0);
+    w.scale("deployment/web", 30);
+    wait_until(60, "the first pod running", || {
+        let n = w
+            .pods(Some("app=web"))
+            .iter()
+            .filter(|p| crate::cluster::is_ready(p))
+            .count();
+        if n >= 1 { Ok(()) } else { Err(format!("{n}")) }
+    });
+    // Claims without their entries yet: ADDs at work as the server stops.
+    let at_work = reservations_of(&w.ns) as i64 - 3 * entries_of(NET2_POOL, &w.ns).len() as i64;
+    let pause = std::process::Command::new(crate::harness::repo().join("e2e/cluster.sh"))
+        .args(["pause", "kube-apiserver", "50"])
+        .status()
+        .expect("run e2e/cluster.sh pause");
+    assert!(
+        pause.success(),
+        "e2e/cluster.sh pause kube-apiserver failed"
+    );
+    eprintln!("claims beyond the recorded entries as the API server paused: {at_work}");
+    let pods = w.wait_running("app=web", 30, 480);
+    distinct_pod_ips(&pods);
+    wait_until(180, "pools hold exactly the 30 pods", || converged(&w, 30));
+    // Two more audits (every 10 s, a 10 s grace): nothing is swept from under a running pod.
+    std::thread::sleep(Duration::from_secs(25));
+    converged(&w, 30).expect("after two more audits");
+    distinct_pod_ips(&w.wait_running("app=web", 30, 60));
+    w.scale("deployment/web", 0);
+    w.wait_gone("app=web", 240);
+    wait_until(60, "nothing left in the pools", || converged(&w, 0));
 }

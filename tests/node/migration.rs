@@ -4,7 +4,8 @@
 //! addresses through Multus, then: the switch with `kubectl apply -k`, a rollback to upstream, and
 //! the switch again with Helm. Through all of it running pods keep their addresses, every running
 //! pod's address is recorded for it and no other, and pods are freed by whichever plugin is on the
-//! host when they go, whoever allocated them.
+//! host when they go, whoever allocated them. A StatefulSet's pod started under upstream is
+//! force-deleted under ours: its replacement keeps addresses of its own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
@@ -316,6 +317,61 @@ fn consistent(w: &Workload) {
     every_pod_address_recorded();
 }
 
+/// StatefulSet `name` of one pod in `w`, started under whichever plugin is on the host: what its
+/// pod holds.
+fn statefulset(w: &Workload, name: &str) -> BTreeMap<String, BTreeSet<String>> {
+    w.apply(&format!(
+        r#"apiVersion: apps/v1
+kind: StatefulSet
+metadata: {{name: {name}}}
+spec:
+  replicas: 1
+  serviceName: {name}
+  selector: {{matchLabels: {{app: {name}}}}}
+  template:
+    metadata: {{labels: {{app: {name}}}}}
+    spec:
+{}
+"#,
+        w.pod_spec(6)
+    ));
+    holdings(&w.wait_running(&format!("app={name}"), 1, 180))
+}
+
+/// Force-deletes StatefulSet `name`'s pod, as an admin does on a partitioned node: its replacement
+/// of the same name starts at once on the same node while the old sandbox is torn down, and the
+/// operator's cleanup of the old pod runs beside both (issue 25). The old entries are upstream's:
+/// they record no pod UID or node, so only the living pod of that name keeps the cleanup from
+/// them, leaving them to the old sandbox's DEL. The replacement ends with as many addresses as
+/// its predecessor had, recorded for it, and the old ones are freed.
+fn replace_forcibly(w: &Workload, name: &str, before: &BTreeMap<String, BTreeSet<String>>) {
+    let pod = format!("{name}-0");
+    let podref = format!("{}/{pod}", w.ns);
+    let uid_of = || {
+        get_json(&["-n", &w.ns, "get", "pod", &pod])
+            .and_then(|p| p["metadata"]["uid"].as_str().map(str::to_string))
+    };
+    let old_uid = uid_of().expect("the StatefulSet's pod");
+    let force = ["--grace-period=0", "--force", "--wait=false"];
+    kubectl_ok(&[&["-n", &w.ns, "delete", "pod", &pod][..], &force].concat());
+    wait_until(
+        180,
+        "the replacement running, the old addresses freed",
+        || {
+            let pods = w.pods(Some(&format!("app={name}")));
+            let replaced = pods
+                .iter()
+                .any(|p| is_ready(p) && p["metadata"]["uid"].as_str() != Some(&old_uid));
+            let holds = held(&podref);
+            if replaced && holds.len() == before[&podref].len() {
+                Ok(())
+            } else {
+                Err(format!("replaced: {replaced}, holds {holds:?}"))
+            }
+        },
+    );
+}
+
 /// Waits until the operator reports upstream's DaemonSet and controller at `want` (1: they
 /// exist, 0: they are gone).
 fn upstream_reported(want: f64) {
@@ -353,6 +409,7 @@ fn upstream_is_replaced_in_place_rolled_back_and_replaced_again_with_helm() {
         macvlan(json!({"type": "whereabouts", "range": "10.94.0.0/24"})),
     );
     let upstreams = start(&w, &lan, "upstreams", 2);
+    let db = statefulset(&w, "db");
     consistent(&w);
     let both = BTreeSet::from([
         "crd-missing-fields".to_string(),
@@ -373,6 +430,9 @@ fn upstream_is_replaced_in_place_rolled_back_and_replaced_again_with_helm() {
     );
     // Pods started while both are installed.
     let during = start(&w, &lan, "during", 2);
+    // A pod upstream started, replaced under ours.
+    replace_forcibly(&w, "db", &db);
+    consistent(&w);
     // Step 4: upstream's objects go.
     remove_upstream();
     upstream_gone();
