@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{
     Cni, CniCall, Ns, OperatorProcess, eventually, kustomize, repo, token_kubeconfig,
+    upstream_spawn,
 };
 
 /// A fast audit; claims younger than `age` are spared.
@@ -288,27 +289,16 @@ fn upstream(
     for (k, v) in extra.as_object().unwrap() {
         conf["ipam"][k] = v.clone();
     }
-    CniCall {
-        command,
-        conf: &conf,
-        container,
-        ifname: "net1",
-        netns: "/var/run/netns/none",
-        args: &format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
-            ns.name
-        ),
-        path: None,
-    }
-    .spawn(repo().join("bench/bin/whereabouts-upstream"))
+    upstream_spawn(ns, &conf, command, container, pod)
 }
 
 /// Upstream's DEL, run under a service account of its own, deletes the reservation of the address
 /// its pool entry had by name, with no precondition. When its ADD lost the race for that address
 /// to ours (it writes its pool before its reservation), that reservation is our running pod's
 /// claim, and its retry took the address again: two pods on one address (the chaos tier, with
-/// overlapping pools). config/rbac/claims-kept.yaml refuses that delete to every service account
-/// but ours; upstream's DEL still succeeds, its entry is gone, and its retry gets another address.
+/// overlapping pools). config/rbac/claims-kept.yaml refuses a service account's delete of our
+/// claim by name alone (ours name the UID they read); upstream's DEL still succeeds, its entry is
+/// gone, and its retry gets another address.
 #[test]
 fn upstreams_del_does_not_delete_our_claim_of_the_address_it_lost() {
     let ns = Ns::new("claims-kept");

@@ -634,3 +634,27 @@ pub fn token_kubeconfig(ns: &Ns, file: &str, token: &str) -> PathBuf {
     std::fs::write(&kubeconfig, text.to_string()).unwrap();
     kubeconfig
 }
+
+/// Upstream's plugin (v0.9.2, `bench/bin`) as a runtime runs it for pod `pod` of `ns` (UID
+/// `uid-<pod>`), container `container`, interface net1: started now.
+pub fn upstream_spawn(
+    ns: &Ns,
+    conf: &Value,
+    command: &str,
+    container: &str,
+    pod: &str,
+) -> std::process::Child {
+    CniCall {
+        command,
+        conf,
+        container,
+        ifname: "net1",
+        netns: "/var/run/netns/none",
+        args: &format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
+            ns.name
+        ),
+        path: None,
+    }
+    .spawn(repo().join("bench/bin/whereabouts-upstream"))
+}

@@ -7,7 +7,7 @@ use std::process::Child;
 
 use serde_json::{Value, json};
 
-use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, repo};
+use crate::harness::{Cni, CniCall, Ns, OperatorProcess, eventually, upstream_spawn};
 
 /// Our plugin for pod `pod` (its UID as the API server has it) with `extra` merged into the
 /// network config.
@@ -25,19 +25,7 @@ fn with(conf: &Value, extra: Value) -> Value {
 
 /// Upstream's plugin (v0.9.2) for pod `pod`, started now.
 fn upstream_call(ns: &Ns, conf: &Value, pod: &str, command: &str) -> Child {
-    CniCall {
-        command,
-        conf,
-        container: &format!("c-up-{pod}"),
-        ifname: "net1",
-        netns: "/var/run/netns/none",
-        args: &format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
-            ns.name
-        ),
-        path: None,
-    }
-    .spawn(repo().join("bench/bin/whereabouts-upstream"))
+    upstream_spawn(ns, conf, command, &format!("c-up-{pod}"), pod)
 }
 
 /// Upstream ADDs for `pods`, one after another; the addresses they got. A failed ADD is retried
