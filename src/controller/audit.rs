@@ -29,6 +29,7 @@ mod doubles;
 pub use claims::{
     ORPHAN_CLAIM_AGE, Restored, Unguarded, expected_reservations, last_written, unclaimed,
 };
+pub use doubles::held_twice;
 
 /// Remembers when each suspect was first seen stale; a suspect is due once it has stayed stale
 /// for the grace period. Suspects that stop being stale are forgotten.

@@ -11,7 +11,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use super::audit::{LivePods, Stale, Unguarded, expected_reservations, unclaimed};
+use super::audit::{LivePods, Stale, Unguarded, expected_reservations, held_twice, unclaimed};
 use super::migration::{Observation, crd_message, upstream_message};
 use super::pools::{PoolView, SliceIndex};
 use crate::crd::size::{ALERT_SHARE, POOL_OBJECT_BUDGET};
@@ -92,12 +92,16 @@ pub enum Finding {
     /// An entry without its reservation (written by a plugin with `enable_overlapping_ranges`
     /// false, or upstream mid-write). Repair: create the reservation, if nobody holds it.
     MissingReservation { at: EntryAt, reservation: String },
-    /// One address held by different pods in two pools of one network (overlapping ranges whose
-    /// reservations were missing). Not repaired: one of the pods must get a new address.
+    /// One address of one network held by two pods: entries of different pods in two pools
+    /// (overlapping ranges whose reservations were missing), or an entry whose reservation names
+    /// another pod (`claimed_by`: a reservation deleted by name and taken again). Not repaired:
+    /// one of the pods must get a new address.
     DuplicateAddress {
         address: String,
         network: Option<String>,
         holders: Vec<EntryAt>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        claimed_by: Option<String>,
     },
     /// An entry whose key is not an offset inside the pool's range. Not repaired.
     OutsideRange {
@@ -187,13 +191,20 @@ impl std::fmt::Display for Finding {
                 at_words(at)
             ),
             Finding::DuplicateAddress {
-                address, holders, ..
+                address,
+                holders,
+                claimed_by,
+                ..
             } => {
-                let who: Vec<String> = holders.iter().map(at_words).collect();
+                let mut who: Vec<String> = holders.iter().map(at_words).collect();
+                who.extend(
+                    claimed_by
+                        .iter()
+                        .map(|c| format!("its reservation names {c}")),
+                );
                 write!(
                     f,
-                    "{kind}: {address} is held {} times: {}",
-                    holders.len(),
+                    "{kind}: {address} is held by two pods: {}",
                     who.join("; ")
                 )
             }
@@ -318,7 +329,7 @@ pub fn audit(snap: &Snapshot) -> Vec<Finding> {
         }
     }
     out.extend(reservation_findings(snap, &views, &at));
-    out.extend(duplicates(&views, &at));
+    out.extend(duplicates(snap, &views, &at));
     for (v, pool) in &views {
         out.extend(outside_range(v, pool));
         out.extend(nearly_full(pool));
@@ -363,32 +374,44 @@ fn reservation_findings(
     out
 }
 
-/// One address of one network held by different pods in different pools.
-fn duplicates(views: &[(PoolView, &IPPool)], at: &At<'_>) -> Vec<Finding> {
-    let mut by_address: BTreeMap<(Option<String>, IpAddr), Vec<EntryAt>> = BTreeMap::new();
-    for (v, _) in views {
+/// Addresses two pods hold (`audit::held_twice`, the operator's rule): their entries, and the
+/// pod their reservation names when it is none of them.
+fn duplicates(snap: &Snapshot, views: &[(PoolView, &IPPool)], at: &At<'_>) -> Vec<Finding> {
+    let pools: Vec<PoolView> = views.iter().map(|(v, _)| v.clone()).collect();
+    let claims: HashMap<&str, &OverlappingRangeIPReservationSpec> = snap
+        .reservations
+        .iter()
+        .map(|r| (r.name.as_str(), &r.spec))
+        .collect();
+    let mut entries: BTreeMap<String, (Option<String>, IpAddr, Vec<EntryAt>)> = BTreeMap::new();
+    for v in &pools {
         for (offset, entry) in &v.entries {
             if let Some(ip) = v.ip(*offset) {
-                let key = (v.network_name.clone(), ip);
-                by_address
-                    .entry(key)
-                    .or_default()
-                    .push(at(v, *offset, entry));
+                let name = reservation_name(v.network_name.as_deref(), ip);
+                let held = entries
+                    .entry(name)
+                    .or_insert_with(|| (v.network_name.clone(), ip, Vec::new()));
+                held.2.push(at(v, *offset, entry));
             }
         }
     }
-    by_address
+    held_twice(&pools, &claims, &Unguarded::of(&snap.nads))
         .into_iter()
-        .filter(|(_, holders)| {
-            holders.iter().any(|h| {
-                h.entry.podref != holders[0].entry.podref
-                    || h.entry.ifname != holders[0].entry.ifname
+        .filter_map(|(name, _)| {
+            let (network, ip, holders) = entries.remove(&name)?;
+            let claimed_by = claims
+                .get(name.as_str())
+                .filter(|c| holders.iter().all(|h| h.entry.podref != c.podref))
+                .map(|c| match c.ifname.as_str() {
+                    "" => format!("pod {}", c.podref),
+                    ifname => format!("pod {} ({ifname})", c.podref),
+                });
+            Some(Finding::DuplicateAddress {
+                address: ip.to_string(),
+                network,
+                holders,
+                claimed_by,
             })
-        })
-        .map(|((network, ip), holders)| Finding::DuplicateAddress {
-            address: ip.to_string(),
-            network,
-            holders,
         })
         .collect()
 }

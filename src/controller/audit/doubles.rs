@@ -10,12 +10,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
-use kube::ResourceExt;
-
 use super::{Auditor, Unguarded};
 use crate::controller::Context;
 use crate::controller::pools::PoolView;
-use crate::crd::{IPAllocation, OverlappingRangeIPReservation};
+use crate::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
 use crate::ipam::naming::reservation_name;
 use crate::ownership::Owned;
 
@@ -28,10 +26,11 @@ fn holder(podref: &str, ifname: &str) -> String {
 }
 
 /// The addresses of `pools` that two pods hold: by entries, or by an entry and its claim (among
-/// `claims`; not for pools of ranges that take none).
+/// `claims`, by name; not for pools of ranges that take none). The operator's audit and the
+/// offline `audit` both decide with it.
 pub fn held_twice(
     pools: &[PoolView],
-    claims: &[std::sync::Arc<OverlappingRangeIPReservation>],
+    claims: &HashMap<&str, &OverlappingRangeIPReservationSpec>,
     unguarded: &Unguarded,
 ) -> Vec<HeldTwice> {
     let mut entries: BTreeMap<String, Vec<(&IPAllocation, bool)>> = BTreeMap::new();
@@ -44,8 +43,6 @@ pub fn held_twice(
             }
         }
     }
-    let claims: HashMap<String, &OverlappingRangeIPReservation> =
-        claims.iter().map(|r| (r.name_any(), r.as_ref())).collect();
     entries
         .into_iter()
         .filter_map(|(name, held)| {
@@ -53,9 +50,16 @@ pub fn held_twice(
                 .iter()
                 .map(|(e, _)| holder(&e.podref, &e.ifname))
                 .collect();
-            let claim = claims.get(&name).map(|r| &r.spec);
-            // A claim of the same IPAMClaim is its holder's, whichever pod it names this moment.
-            if let Some(c) = claim.filter(|c| held.iter().any(|(e, g)| *g && !c.same_claim(*e))) {
+            let claim = claims.get(name.as_str());
+            // A claim names another pod when it names none of the entries' pods; one of the
+            // same IPAMClaim is its holder's, whichever pod it names this moment.
+            let foreign = |c: &&&OverlappingRangeIPReservationSpec| {
+                held.iter().all(|(e, _)| e.podref != c.podref)
+                    && held
+                        .iter()
+                        .any(|(e, guarded)| *guarded && !c.same_claim(*e))
+            };
+            if let Some(c) = claim.filter(foreign) {
                 holders.insert(holder(&c.podref, &c.ifname));
             }
             (holders.len() > 1).then(|| (name, holders.into_iter().collect()))
@@ -69,7 +73,12 @@ impl Auditor {
     pub(super) fn held_twice(&mut self, ctx: &Context, pools: &[PoolView], now: Instant) -> usize {
         let nads = ctx.caches.nads.state();
         let unguarded = Unguarded::of(nads.iter().map(|n| n.as_ref()));
-        let found = held_twice(pools, &ctx.caches.reservations.state(), &unguarded);
+        let cached = ctx.caches.reservations.state();
+        let claims = cached
+            .iter()
+            .filter_map(|r| Some((r.metadata.name.as_deref()?, &r.spec)))
+            .collect();
+        let found = held_twice(pools, &claims, &unguarded);
         let due = self.doubles.observe(now, found, ctx.opts.stale_grace);
         for (address, holders) in &due {
             tracing::error!(
@@ -85,8 +94,7 @@ impl Auditor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::crd::{IPPool, IPPoolSpec, OverlappingRangeIPReservationSpec};
-    use std::sync::Arc;
+    use crate::crd::{IPPool, IPPoolSpec};
 
     fn pool(name: &str, range: &str, entries: &[(u128, &str)]) -> PoolView {
         let allocations = entries
@@ -108,13 +116,12 @@ mod tests {
         PoolView::from_pool(&IPPool::new(name, spec)).unwrap()
     }
 
-    fn claim(name: &str, pod: &str) -> Arc<OverlappingRangeIPReservation> {
-        let spec = OverlappingRangeIPReservationSpec {
+    fn claim(pod: &str) -> OverlappingRangeIPReservationSpec {
+        OverlappingRangeIPReservationSpec {
             podref: format!("ns/{pod}"),
             ifname: "net1".into(),
             ..Default::default()
-        };
-        Arc::new(OverlappingRangeIPReservation::new(name, spec))
+        }
     }
 
     /// Entries of two pods in overlapping pools, and an entry whose claim names another pod, are
@@ -127,7 +134,8 @@ mod tests {
             &[(1, "a"), (2, "b"), (3, "c")],
         );
         let b = pool("10.0.0.0-22", "10.0.0.0/22", &[(1, "x")]);
-        let claims = [claim("10.0.0.1", "a"), claim("10.0.0.2", "y")];
+        let (a1, y2) = (claim("a"), claim("y"));
+        let claims = HashMap::from([("10.0.0.1", &a1), ("10.0.0.2", &y2)]);
         let found = held_twice(&[a, b], &claims, &Unguarded::default());
         assert_eq!(
             found,

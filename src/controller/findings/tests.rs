@@ -30,6 +30,7 @@ fn each_kind_is_found_with_its_evidence() {
             (1, "ns/live", "u1"),
             (2, "ns/gone", "u2"),
             (5, "ns/live", "u1"),
+            (7, "ns/live", "u1"),
         ],
     );
     a.spec.allocations.insert(
@@ -54,6 +55,7 @@ fn each_kind_is_found_with_its_evidence() {
         pools: vec![a, b],
         reservations: vec![
             reservation("10.0.0.1", "ns/live", 7200),
+            reservation("10.0.0.7", "ns/thief", 7200),
             reservation("10.0.0.2", "ns/gone", 90),
             reservation("10.0.0.9", "ns/killed", 600),
             reservation("10.0.0.10", "ns/racing", 2),
@@ -96,7 +98,17 @@ fn each_kind_is_found_with_its_evidence() {
         "{text:#?}"
     );
     assert_eq!(
-        has("duplicate-address: 10.0.0.5 is held 2 times"),
+        has("duplicate-address: 10.0.0.5 is held by two pods: pool 10.0.0.0-24"),
+        1,
+        "{text:#?}"
+    );
+    // An entry whose reservation names another pod: held by two pods as well.
+    assert_eq!(
+        text.iter()
+            .filter(|t| t
+                .starts_with("duplicate-address: 10.0.0.7 is held by two pods: pool 10.0.0.0-24")
+                && t.ends_with("; its reservation names pod ns/thief"))
+            .count(),
         1,
         "{text:#?}"
     );
@@ -110,7 +122,7 @@ fn each_kind_is_found_with_its_evidence() {
         1,
         "{text:#?}"
     );
-    assert_eq!(found.len(), 8, "{text:#?}");
+    assert_eq!(found.len(), 9, "{text:#?}");
     let repairable: Vec<&str> = found
         .iter()
         .filter(|f| f.repairable())
