@@ -222,8 +222,11 @@ impl Auditor {
             }
             self.entries.forget(&key);
         }
-        report.held_twice = self.held_twice(ctx, &pools, now);
-        let (orphans, due, unclaimed) = self.claims(ctx, &pools, &live, unreadable, now);
+        // The ranges that take no claims: every NAD's config parsed, once per audit.
+        let unguarded = Unguarded::of(ctx.caches.nads.state().iter().map(|n| n.as_ref()));
+        report.held_twice = self.report_held_twice(ctx, &pools, &unguarded, now);
+        let (orphans, due, unclaimed) =
+            self.claims(ctx, &pools, &unguarded, &live, unreadable, now);
         report.orphans = orphans + unclaimed.len();
         if !due.is_empty() {
             report.released_orphans = self.release_orphans(ctx, due).await?;

@@ -204,7 +204,7 @@ impl std::fmt::Display for Finding {
                 );
                 write!(
                     f,
-                    "{kind}: {address} is held by two pods: {}",
+                    "{kind}: {address} is held by more than one pod: {}",
                     who.join("; ")
                 )
             }
@@ -328,8 +328,10 @@ pub fn audit(snap: &Snapshot) -> Vec<Finding> {
             });
         }
     }
-    out.extend(reservation_findings(snap, &views, &at));
-    out.extend(duplicates(snap, &views, &at));
+    let pools: Vec<PoolView> = views.iter().map(|(v, _)| v.clone()).collect();
+    let unguarded = Unguarded::of(&snap.nads);
+    out.extend(reservation_findings(snap, &pools, &unguarded, &at));
+    out.extend(duplicates(snap, &pools, &unguarded, &at));
     for (v, pool) in &views {
         out.extend(outside_range(v, pool));
         out.extend(nearly_full(pool));
@@ -344,11 +346,11 @@ type At<'a> = dyn Fn(&PoolView, u128, &IPAllocation) -> EntryAt + 'a;
 /// Orphan reservations, and entries without their reservation.
 fn reservation_findings(
     snap: &Snapshot,
-    views: &[(PoolView, &IPPool)],
+    pools: &[PoolView],
+    unguarded: &Unguarded,
     at: &At<'_>,
 ) -> Vec<Finding> {
-    let pools: Vec<PoolView> = views.iter().map(|(v, _)| v.clone()).collect();
-    let expected = expected_reservations(&pools);
+    let expected = expected_reservations(pools);
     let mut out: Vec<Finding> = snap
         .reservations
         .iter()
@@ -364,8 +366,7 @@ fn reservation_findings(
         .collect();
     let names: std::collections::HashSet<&str> =
         snap.reservations.iter().map(|r| r.name.as_str()).collect();
-    let unguarded = Unguarded::of(&snap.nads);
-    for (v, offset, entry, reservation) in unclaimed(&pools, &names, &unguarded) {
+    for (v, offset, entry, reservation) in unclaimed(pools, &names, unguarded) {
         out.push(Finding::MissingReservation {
             at: at(v, offset, entry),
             reservation,
@@ -376,29 +377,36 @@ fn reservation_findings(
 
 /// Addresses two pods hold (`audit::held_twice`, the operator's rule): their entries, and the
 /// pod their reservation names when it is none of them.
-fn duplicates(snap: &Snapshot, views: &[(PoolView, &IPPool)], at: &At<'_>) -> Vec<Finding> {
-    let pools: Vec<PoolView> = views.iter().map(|(v, _)| v.clone()).collect();
+fn duplicates(
+    snap: &Snapshot,
+    pools: &[PoolView],
+    unguarded: &Unguarded,
+    at: &At<'_>,
+) -> Vec<Finding> {
     let claims: HashMap<&str, &OverlappingRangeIPReservationSpec> = snap
         .reservations
         .iter()
         .map(|r| (r.name.as_str(), &r.spec))
         .collect();
-    let mut entries: BTreeMap<String, (Option<String>, IpAddr, Vec<EntryAt>)> = BTreeMap::new();
-    for v in &pools {
+    // The holders' entries, described only for the addresses found (few, if any).
+    let mut entries: BTreeMap<String, (Option<String>, IpAddr, Vec<EntryAt>)> =
+        held_twice(pools, &claims, unguarded)
+            .into_iter()
+            .map(|(name, _)| (name, (None, IpAddr::from([0, 0, 0, 0]), Vec::new())))
+            .collect();
+    for v in pools {
         for (offset, entry) in &v.entries {
-            if let Some(ip) = v.ip(*offset) {
-                let name = reservation_name(v.network_name.as_deref(), ip);
-                let held = entries
-                    .entry(name)
-                    .or_insert_with(|| (v.network_name.clone(), ip, Vec::new()));
+            let Some(ip) = v.ip(*offset) else { continue };
+            let name = reservation_name(v.network_name.as_deref(), ip);
+            if let Some(held) = entries.get_mut(&name) {
+                (held.0, held.1) = (v.network_name.clone(), ip);
                 held.2.push(at(v, *offset, entry));
             }
         }
     }
-    held_twice(&pools, &claims, &Unguarded::of(&snap.nads))
+    entries
         .into_iter()
-        .filter_map(|(name, _)| {
-            let (network, ip, holders) = entries.remove(&name)?;
+        .map(|(name, (network, ip, holders))| {
             let claimed_by = claims
                 .get(name.as_str())
                 .filter(|c| holders.iter().all(|h| h.entry.podref != c.podref))
@@ -406,12 +414,12 @@ fn duplicates(snap: &Snapshot, views: &[(PoolView, &IPPool)], at: &At<'_>) -> Ve
                     "" => format!("pod {}", c.podref),
                     ifname => format!("pod {} ({ifname})", c.podref),
                 });
-            Some(Finding::DuplicateAddress {
+            Finding::DuplicateAddress {
                 address: ip.to_string(),
                 network,
                 holders,
                 claimed_by,
-            })
+            }
         })
         .collect()
 }

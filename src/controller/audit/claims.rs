@@ -222,6 +222,7 @@ impl Auditor {
         &mut self,
         ctx: &Context,
         pools: &[PoolView],
+        unguarded: &Unguarded,
         live: &LivePods,
         unreadable: usize,
         now: Instant,
@@ -247,10 +248,8 @@ impl Auditor {
                 (r.name_any(), r.uid().unwrap_or_default(), rv)
             })
             .collect();
-        let nads = ctx.caches.nads.state();
-        let unguarded = Unguarded::of(nads.iter().map(|n| n.as_ref()));
         let names: HashSet<&str> = names.iter().map(String::as_str).collect();
-        let unclaimed: Vec<EntryKey> = unclaimed(pools, &names, &unguarded)
+        let unclaimed: Vec<EntryKey> = unclaimed(pools, &names, unguarded)
             .into_iter()
             .map(|(p, offset, e, _)| (p.name.clone(), offset, e.id.clone()))
             .collect();

@@ -70,15 +70,19 @@ pub fn held_twice(
 impl Auditor {
     /// Logs every address that two pods have held for the grace period, at every audit while
     /// they do; how many there are.
-    pub(super) fn held_twice(&mut self, ctx: &Context, pools: &[PoolView], now: Instant) -> usize {
-        let nads = ctx.caches.nads.state();
-        let unguarded = Unguarded::of(nads.iter().map(|n| n.as_ref()));
+    pub(super) fn report_held_twice(
+        &mut self,
+        ctx: &Context,
+        pools: &[PoolView],
+        unguarded: &Unguarded,
+        now: Instant,
+    ) -> usize {
         let cached = ctx.caches.reservations.state();
         let claims = cached
             .iter()
             .filter_map(|r| Some((r.metadata.name.as_deref()?, &r.spec)))
             .collect();
-        let found = held_twice(pools, &claims, &unguarded);
+        let found = held_twice(pools, &claims, unguarded);
         let due = self.doubles.observe(now, found, ctx.opts.stale_grace);
         for (address, holders) in &due {
             tracing::error!(

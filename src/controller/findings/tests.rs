@@ -98,16 +98,16 @@ fn each_kind_is_found_with_its_evidence() {
         "{text:#?}"
     );
     assert_eq!(
-        has("duplicate-address: 10.0.0.5 is held by two pods: pool 10.0.0.0-24"),
+        has("duplicate-address: 10.0.0.5 is held by more than one pod: pool 10.0.0.0-24"),
         1,
         "{text:#?}"
     );
     // An entry whose reservation names another pod: held by two pods as well.
     assert_eq!(
         text.iter()
-            .filter(|t| t
-                .starts_with("duplicate-address: 10.0.0.7 is held by two pods: pool 10.0.0.0-24")
-                && t.ends_with("; its reservation names pod ns/thief"))
+            .filter(|t| t.starts_with(
+                "duplicate-address: 10.0.0.7 is held by more than one pod: pool 10.0.0.0-24"
+            ) && t.ends_with("; its reservation names pod ns/thief"))
             .count(),
         1,
         "{text:#?}"
