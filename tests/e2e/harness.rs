@@ -247,6 +247,19 @@ impl Ns {
         container: &str,
         pod: &str,
     ) -> std::process::Child {
+        self.spawn_plugin(whereabouts_bin(), command, conf, container, pod)
+    }
+
+    /// Plugin binary `bin` as a runtime runs it for pod `pod` of this namespace (UID
+    /// `uid-<pod>`), container `container`, interface net1: started now.
+    pub fn spawn_plugin(
+        &self,
+        bin: PathBuf,
+        command: &str,
+        conf: &Value,
+        container: &str,
+        pod: &str,
+    ) -> std::process::Child {
         CniCall {
             command,
             conf,
@@ -259,7 +272,7 @@ impl Ns {
             ),
             path: None,
         }
-        .spawn(whereabouts_bin())
+        .spawn(bin)
     }
 
     /// `command` processes for pods pod<i> (containers c<i>) of `pods`, all started at once.
@@ -635,8 +648,7 @@ pub fn token_kubeconfig(ns: &Ns, file: &str, token: &str) -> PathBuf {
     kubeconfig
 }
 
-/// Upstream's plugin (v0.9.2, `bench/bin`) as a runtime runs it for pod `pod` of `ns` (UID
-/// `uid-<pod>`), container `container`, interface net1: started now.
+/// Upstream's plugin (v0.9.2, `bench/bin`) for pod `pod` of `ns`: [`Ns::spawn_plugin`].
 pub fn upstream_spawn(
     ns: &Ns,
     conf: &Value,
@@ -644,17 +656,11 @@ pub fn upstream_spawn(
     container: &str,
     pod: &str,
 ) -> std::process::Child {
-    CniCall {
+    ns.spawn_plugin(
+        repo().join("bench/bin/whereabouts-upstream"),
         command,
         conf,
         container,
-        ifname: "net1",
-        netns: "/var/run/netns/none",
-        args: &format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={pod};K8S_POD_UID=uid-{pod}",
-            ns.name
-        ),
-        path: None,
-    }
-    .spawn(repo().join("bench/bin/whereabouts-upstream"))
+        pod,
+    )
 }
