@@ -62,10 +62,10 @@ pub fn old_enough(r: &OverlappingRangeIPReservation, now: i64, age: Duration) ->
 /// Whether `r`'s pod still reports the address it guards (Multus's `network-status`), as the same
 /// incarnation when the claim records one. Such a claim is spared by the sweep even without a
 /// pool entry: the pod holds the address, and the claim is all that keeps every pool of its range
-/// from handing it out again. Seen in the chaos tier: an upstream ADD cut off by an API server
-/// crash reported its address, reserved it, and its pool entry was gone; sweeping the claim let
-/// upstream give the address to a second pod. It is swept once the pod is gone or reports
-/// another address.
+/// from handing it out again. Upstream v0.9.2's ADD leaves exactly that when its pool write fails
+/// (retries used up on a busy pool, an API server crash): it still creates the reservation and
+/// reports success. In the chaos tier, sweeping such a claim let upstream give the address to a
+/// second pod. It is swept once the pod is gone or reports another address.
 pub fn reported_by_its_pod(r: &OverlappingRangeIPReservation, live: &LivePods) -> bool {
     let spec = &r.spec;
     if !spec.poduid.is_empty() && live.uids.get(&spec.podref) != Some(&spec.poduid) {
