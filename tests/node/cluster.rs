@@ -158,6 +158,12 @@ pub fn pace_operator(node: &Node) {
     // The installed operator audits every 5 minutes and spares orphan claims for 3: the tests
     // wait a minute or two for the audit's work, so it runs at a pace they can see. The claim
     // age stays above the longest an ADD holds a claim on this node (seconds).
+    pace_operator_at(node, "10s", "10s", "40s");
+}
+
+/// The operator's audit every `interval`, with `--stale-grace` `grace` and `--orphan-claim-age`
+/// `age`, once its rollout is done.
+pub fn pace_operator_at(node: &Node, interval: &str, grace: &str, age: &str) {
     let kubectl_ok = |args: &[&str]| kubectl_checked(&node.kubeconfig, args, None);
     kubectl_ok(&[
         "-n",
@@ -165,9 +171,9 @@ pub fn pace_operator(node: &Node) {
         "set",
         "env",
         "deployment/whereabouts-operator",
-        "WHEREABOUTS_AUDIT_INTERVAL=10s",
-        "WHEREABOUTS_STALE_GRACE=10s",
-        "WHEREABOUTS_ORPHAN_CLAIM_AGE=40s",
+        &format!("WHEREABOUTS_AUDIT_INTERVAL={interval}"),
+        &format!("WHEREABOUTS_STALE_GRACE={grace}"),
+        &format!("WHEREABOUTS_ORPHAN_CLAIM_AGE={age}"),
     ]);
     kubectl_ok(&[
         "-n",

@@ -1,5 +1,6 @@
 //! The node misbehaving: a kubelet that dies with its pods force-deleted, the agent and containerd
-//! restarted under load, the DaemonSet rolled while pods start, the API server paused mid-burst.
+//! restarted under load, the DaemonSet rolled while pods start, the API server paused and the
+//! agent frozen mid-burst.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -368,4 +369,76 @@ fn an_api_server_paused_past_the_sweeps_age_mid_burst_ends_in_no_duplicate() {
     w.scale("deployment/web", 0);
     w.wait_gone("app=web", 240);
     wait_until(60, "nothing left in the pools", || converged(&w, 0));
+}
+
+/// Claims the pods of `w` hold beyond their recorded entries: ADDs claimed and not recorded yet.
+fn unrecorded_claims(w: &Workload) -> i64 {
+    let recorded: usize = [POD_POOL, POD_POOL6, NET2_POOL]
+        .iter()
+        .map(|p| entries_of(p, &w.ns).len())
+        .sum();
+    reservations_of(&w.ns) as i64 - recorded as i64
+}
+
+/// An ADD slowed past two audits (issue 25): the node agent frozen (the cgroup freezer) at a
+/// moment its claims are made and not recorded, for 15 s, while the operator audits every 2 s.
+/// The sweep judges a claim by the age of its last write and spares it for --orphan-claim-age
+/// (40 s here), so the thawed agent records its entries over claims that still exist. Before that
+/// fix the sweep took a claim two audits had seen without an entry, and the thawed agent recorded
+/// entries whose claims were gone: addresses that every overlapping pool could hand out again.
+/// (The paused API server above cannot show this: the audit waits for the server too.)
+#[test]
+fn an_agent_frozen_mid_burst_past_two_audits_keeps_every_claim_it_records() {
+    let node = node();
+    crate::cluster::pace_operator_at(node, "2s", "2s", "40s");
+    let w = Workload::new("frozen");
+    w.deployment("web", 0);
+    w.scale("deployment/web", 30);
+    let agent = agent_tasks().remove(0);
+    let freezer = |verb: &str| {
+        let out = node.ctr(&["tasks", verb, &agent]);
+        assert!(
+            out.status.success(),
+            "ctr tasks {verb}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // Frozen, the pools and claims stand still: thawed again until claims wait for their entries.
+    let started = Instant::now();
+    let at_work = loop {
+        freezer("pause");
+        let n = unrecorded_claims(&w);
+        if n > 0 {
+            break n;
+        }
+        freezer("resume");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no moment with claims at work"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    eprintln!("claims waiting for their entries as the agent froze: {at_work}");
+    std::thread::sleep(Duration::from_secs(15));
+    freezer("resume");
+    let pods = w.wait_running("app=web", 30, 480);
+    distinct_pod_ips(&pods);
+    let done = wait_until_ok(120, || converged(&w, 30));
+    crate::cluster::pace_operator(node);
+    done.expect("pools hold exactly the 30 pods, each entry with its claim");
+    w.scale("deployment/web", 0);
+    w.wait_gone("app=web", 240);
+    wait_until(60, "nothing left in the pools", || converged(&w, 0));
+}
+
+/// `check` until it holds or `secs` pass: its last answer (the caller restores state first).
+fn wait_until_ok(secs: u64, mut check: impl FnMut() -> Result<(), String>) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let result = check();
+        if result.is_ok() || Instant::now() > deadline {
+            return result;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
 }
