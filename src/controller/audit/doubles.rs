@@ -67,6 +67,9 @@ pub fn held_twice(
         .collect()
 }
 
+/// Addresses held twice named in the log at each audit; the rest are counted in one line.
+const LOGGED_PER_AUDIT: usize = 20;
+
 impl Auditor {
     /// Logs every address that two pods have held for the grace period, at every audit while
     /// they do; how many there are.
@@ -84,11 +87,19 @@ impl Auditor {
             .collect();
         let found = held_twice(pools, &claims, unguarded);
         let due = self.doubles.observe(now, found, ctx.opts.stale_grace);
-        for (address, holders) in &due {
+        // Each is a real duplicate, but thousands of lines every audit would bury the first ones:
+        // the gauge has the count, the log names the first few.
+        for (address, holders) in due.iter().take(LOGGED_PER_AUDIT) {
             tracing::error!(
                 reservation = %address,
                 ?holders,
                 "two pods hold one address: delete one of them (its replacement gets another address)"
+            );
+        }
+        if due.len() > LOGGED_PER_AUDIT {
+            tracing::error!(
+                more = due.len() - LOGGED_PER_AUDIT,
+                "more addresses are held by two pods than are named above (see whereabouts_addresses_held_twice)"
             );
         }
         due.len()
