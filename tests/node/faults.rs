@@ -394,33 +394,14 @@ fn an_agent_frozen_mid_burst_past_two_audits_keeps_every_claim_it_records() {
     let w = Workload::new("frozen");
     w.deployment("web", 0);
     w.scale("deployment/web", 30);
-    let agent = agent_tasks().remove(0);
-    let freezer = |verb: &str| {
-        let out = node.ctr(&["tasks", verb, &agent]);
-        assert!(
-            out.status.success(),
-            "ctr tasks {verb}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let agent = Freezer {
+        node,
+        task: agent_tasks().remove(0),
     };
-    // Frozen, the pools and claims stand still: thawed again until claims wait for their entries.
-    let started = Instant::now();
-    let at_work = loop {
-        freezer("pause");
-        let n = unrecorded_claims(&w);
-        if n > 0 {
-            break n;
-        }
-        freezer("resume");
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "no moment with claims at work"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    let at_work = agent.freeze_with_claims_at_work(&w, 30);
     eprintln!("claims waiting for their entries as the agent froze: {at_work}");
     std::thread::sleep(Duration::from_secs(15));
-    freezer("resume");
+    agent.set("resume");
     let pods = w.wait_running("app=web", 30, 480);
     distinct_pod_ips(&pods);
     let done = wait_until_ok(120, || converged(&w, 30));
@@ -429,6 +410,57 @@ fn an_agent_frozen_mid_burst_past_two_audits_keeps_every_claim_it_records() {
     w.scale("deployment/web", 0);
     w.wait_gone("app=web", 240);
     wait_until(60, "nothing left in the pools", || converged(&w, 0));
+}
+
+/// The node agent's container, frozen and thawed through the cgroup freezer.
+struct Freezer<'a> {
+    node: &'a crate::cluster::Node,
+    task: String,
+}
+
+impl Freezer<'_> {
+    fn set(&self, verb: &str) {
+        let out = self.node.ctr(&["tasks", verb, &self.task]);
+        assert!(
+            out.status.success(),
+            "ctr tasks {verb}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Leaves the agent frozen at a moment claims of `w` wait for their entries; returns how
+    /// many. Frozen, the pools and claims stand still, so each look is exact. The agent takes
+    /// the ADDs queued while it was frozen at once when thawed, so it is frozen again at varied
+    /// delays after each thaw; a burst of `pods` that ends without such a moment is run again.
+    fn freeze_with_claims_at_work(&self, w: &Workload, pods: usize) -> i64 {
+        const DELAYS_MS: [u64; 6] = [10, 25, 50, 100, 200, 400];
+        for burst in 0..3 {
+            if burst > 0 {
+                eprintln!("burst {burst} ended without claims at work: once more");
+                w.scale("deployment/web", 0);
+                w.wait_gone("app=web", 240);
+                w.scale("deployment/web", pods as u32);
+            }
+            for tick in 0.. {
+                self.set("pause");
+                let n = unrecorded_claims(w);
+                if n > 0 {
+                    return n;
+                }
+                let ready = w
+                    .pods(Some("app=web"))
+                    .iter()
+                    .filter(|p| crate::cluster::is_ready(p))
+                    .count();
+                self.set("resume");
+                if ready == pods {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(DELAYS_MS[tick % DELAYS_MS.len()]));
+            }
+        }
+        panic!("three bursts of {pods} pods without a moment with claims at work");
+    }
 }
 
 /// `check` until it holds or `secs` pass: its last answer (the caller restores state first).
