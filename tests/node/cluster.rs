@@ -369,6 +369,14 @@ spec:
             .unwrap_or_default()
     }
 
+    /// How many pods of `selector` are Ready.
+    pub fn ready(&self, selector: &str) -> usize {
+        self.pods(Some(selector))
+            .iter()
+            .filter(|p| is_ready(p))
+            .count()
+    }
+
     /// Waits until exactly `n` pods of `selector` exist, all Running and Ready, none terminating.
     pub fn wait_running(&self, selector: &str, n: usize, secs: u64) -> Vec<Value> {
         let mut pods = vec![];

@@ -218,11 +218,7 @@ fn killing_the_agent_and_restarting_containerd_under_load_loses_nothing() {
     w.scale("deployment/web", 40);
     // Let the burst get going, then kill the agent mid-burst.
     wait_until(60, "the first pods running", || {
-        let n = w
-            .pods(Some("app=web"))
-            .iter()
-            .filter(|p| crate::cluster::is_ready(p))
-            .count();
+        let n = w.ready("app=web");
         if n >= 3 { Ok(()) } else { Err(format!("{n}")) }
     });
     let agents = agent_tasks();
@@ -341,11 +337,7 @@ fn an_api_server_paused_past_the_sweeps_age_mid_burst_ends_in_no_duplicate() {
     w.deployment("web", 0);
     w.scale("deployment/web", 30);
     wait_until(60, "the first pod running", || {
-        let n = w
-            .pods(Some("app=web"))
-            .iter()
-            .filter(|p| crate::cluster::is_ready(p))
-            .count();
+        let n = w.ready("app=web");
         if n >= 1 { Ok(()) } else { Err(format!("{n}")) }
     });
     // Claims without their entries yet: ADDs at work as the server stops.
@@ -447,11 +439,7 @@ impl Freezer<'_> {
                 if n > 0 {
                     return n;
                 }
-                let ready = w
-                    .pods(Some("app=web"))
-                    .iter()
-                    .filter(|p| crate::cluster::is_ready(p))
-                    .count();
+                let ready = w.ready("app=web");
                 self.set("resume");
                 if ready == pods {
                     break;
