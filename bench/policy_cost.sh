@@ -22,7 +22,7 @@ cleanup() {
 trap cleanup EXIT
 
 $K apply -f crds/ >/dev/null
-$K create ns whereabouts-system >/dev/null 2>&1 || true
+for ns in whereabouts-system whereabouts-operator; do $K create ns "$ns" >/dev/null 2>&1 || true; done
 $K apply -f config/rbac/service_accounts.yaml -f config/rbac/node-limits.yaml >/dev/null
 $K create ns "$NS" >/dev/null
 $K -n "$NS" create role w --verb=get,patch --resource=ippools.whereabouts.cni.cncf.io >/dev/null

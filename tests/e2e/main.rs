@@ -13,6 +13,8 @@ mod install;
 mod keep;
 mod metrics;
 mod netns;
+mod node_account;
+mod node_entries;
 mod node_limits;
 mod operator;
 mod relist;

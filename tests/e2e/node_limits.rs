@@ -14,19 +14,7 @@ use crate::harness::{
 };
 use crate::slices::{SimNode, upstream_bin};
 
-const SYSTEM: &str = "whereabouts-system";
-const NODE: &str = "whereabouts-node";
-
-/// kubectl as the cluster admin; its stdout, trimmed (a failure fails the test).
-fn admin(args: &[&str], stdin: Option<&str>) -> String {
-    let out = kubectl_raw(admin_kubeconfig(), args, stdin);
-    assert!(
-        out.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
+use crate::node_account::{NODE, SYSTEM, admin, kill_token, node_token, refused_once_loaded};
 
 /// The objects of config/rbac/node-limits.yaml as config/default renders them: the policies,
 /// their bindings, the FlowSchema and its priority level.
@@ -171,7 +159,7 @@ fn the_node_identity_writes_only_writer_turn_leases_in_its_own_priority_level() 
 
 /// Applies the node's RBAC of config/default with its Role in `ns` (the pool namespace of this
 /// test) instead of kube-system, and the node-limits objects.
-fn node_rights(ns: &Ns) {
+pub(crate) fn node_rights(ns: &Ns) {
     let objects: Vec<Value> = kustomize("config/default")
         .into_iter()
         .filter(|o| {
@@ -217,24 +205,6 @@ fn delete_claim(ns: &Ns, kubeconfig: &Path, name: &str, dry: bool) -> std::proce
     kubectl_raw(kubeconfig, &["delete", "--raw", &path, "-f", body], None)
 }
 
-/// Runs `args` with `kubeconfig` and asserts that the API server refuses it with `why`. An
-/// admission policy takes effect a while after it is created, so this first waits until a
-/// server-side dry run of the same request is refused (policies judge dry runs too, and nothing
-/// is written): the real request can then only fail, and must.
-fn refused_once_loaded(kubeconfig: &Path, args: &[&str], stdin: Option<&str>, why: &str) {
-    let refused = |out: &std::process::Output| {
-        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains(why)
-    };
-    let dry_run = [args, &["--dry-run=server"]].concat();
-    assert!(
-        eventually(60, || refused(&kubectl_raw(kubeconfig, &dry_run, stdin))),
-        "never refused with {why:?}: {}",
-        String::from_utf8_lossy(&kubectl_raw(kubeconfig, &dry_run, stdin).stderr)
-    );
-    let out = kubectl_raw(kubeconfig, args, stdin);
-    assert!(refused(&out), "not refused with {why:?}: {out:?}");
-}
-
 /// Writes IPAMClaim `ns/name`'s `status.ips` as the plugin does (`KubeStore`, whose kubeconfig is
 /// `kubeconfig`); the API server's refusal as text.
 fn claim_status(kubeconfig: &Path, ns: &str, name: &str, ips: &[&str]) -> Result<(), String> {
@@ -255,45 +225,6 @@ fn claim_status(kubeconfig: &Path, ns: &str, name: &str, ips: &[&str]) -> Result
             Err(e) => Err(format!("{e:#}")),
         }
     })
-}
-
-/// A kubeconfig with a token of the node account bound to a pod on `node`, as the DaemonSet's
-/// projected token is (the API server adds the node's name to the identity). The pod never runs:
-/// this tier has no kubelet.
-fn node_token(ns: &Ns, node: &str) -> PathBuf {
-    let pod = json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": format!("agent-{node}"), "namespace": SYSTEM},
-        "spec": {"nodeName": node, "serviceAccountName": NODE, "automountServiceAccountToken": false,
-                 "containers": [{"name": "agent", "image": "whereabouts:never-pulled"}]}});
-    admin(&["create", "-f", "-"], Some(&pod.to_string()));
-    let name = format!("agent-{node}");
-    let uid = admin(
-        &[
-            "-n",
-            SYSTEM,
-            "get",
-            "pod",
-            &name,
-            "-o",
-            "jsonpath={.metadata.uid}",
-        ],
-        None,
-    );
-    let token = admin(
-        &[
-            "-n",
-            SYSTEM,
-            "create",
-            "token",
-            NODE,
-            "--duration=10m",
-            "--bound-object-kind=Pod",
-            &format!("--bound-object-name={name}"),
-            &format!("--bound-object-uid={uid}"),
-        ],
-        None,
-    );
-    token_kubeconfig(ns, &format!("{node}.kubeconfig"), &token)
 }
 
 /// One node's credentials (a token bound to it, the shipped RBAC and policies) change only that
@@ -349,7 +280,10 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     let b1 = node_of("b1").0;
     let remove = json!([{"op": "remove", "path": format!("/spec/allocations/{b1}")}]).to_string();
     // (Each policy's refusal is first awaited: see `refused_once_loaded`.)
-    let why = format!("it changed {b1} (node {} to removed)", b.name);
+    let why = format!(
+        "node {} may remove or rewrite only its own node's entries of IPPool {pool}",
+        a.name
+    );
     let patch = ["patch", "ippool", pool, "--type=json", "-p", &remove];
     refused_once_loaded(&a_creds, &patch, None, &why);
     // No pool can be deleted (RBAC, and the policy too).
@@ -505,33 +439,7 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
 
     // A node whose token died (its pod deleted, as when the DaemonSet's pod goes; an expired
     // token is refused the same way) fails its ADD with a word on why, and writes nothing.
-    let pod = format!("agent-{}", a.name);
-    let out = kubectl_raw(
-        admin_kubeconfig(),
-        &[
-            "-n",
-            SYSTEM,
-            "delete",
-            "pod",
-            &pod,
-            "--grace-period=0",
-            "--force",
-        ],
-        None,
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // (The API server may accept a token for a few seconds after its pod went: its cache.)
-    assert!(
-        eventually(30, || {
-            let out = kubectl_raw(&a_creds, &["get", "ippool", pool], None);
-            String::from_utf8_lossy(&out.stderr).contains("Unauthorized")
-        }),
-        "the dead token still works"
-    );
+    kill_token(&a.name, &a_creds);
     let r = a.run(&ns, "ADD", &ipam, &["a3".into()]);
     let msg = r[0].stdout["msg"].as_str().unwrap_or_default();
     assert!(
