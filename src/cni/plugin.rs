@@ -44,11 +44,11 @@ pub fn run() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        // A DEL whose credentials are rejected cannot free anything, and never will: the token
-        // died with the DaemonSet's pod (an uninstall left the files because pods still held
-        // addresses). Failing would leave the pod Terminating for good; the address stays
-        // recorded, so nothing is handed out twice, and the operator frees it once the pod is
-        // gone. A renewed token (the installer rewrites it every 30 s) makes this rare otherwise.
+        // A DEL whose credentials are still rejected after waiting for new ones (`run_here`)
+        // cannot free anything, and never will: the token died with the DaemonSet's pod (an
+        // uninstall left the files because pods still held addresses). Failing would leave the
+        // pod Terminating for good; the address stays recorded, so nothing is handed out twice,
+        // and the operator frees it once the pod is gone.
         Err(e) if command == Command::Del && e.details == UNAUTHENTICATED => {
             tracing::warn!(error = %e.msg, "DEL: credentials rejected; the entry stays for the operator");
             ExitCode::SUCCESS
@@ -101,34 +101,81 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let reply = runtime.block_on(run_here(&req, spent))?;
+    let reply = runtime.block_on(run_here(&req, spent));
     drop(slot);
-    Ok(reply.map(|r| r.to_value()))
+    Ok(reply?.map(|r| r.to_value()))
 }
 
+/// Runs the request with the node's credentials. When the API server rejects them (401), the
+/// token usually died with the DaemonSet's pod it is bound to: a rolling update of the DaemonSet
+/// deletes that pod, and the new pod's installer writes the next token within seconds of
+/// starting. So the request waits for the kubeconfig to change (at most [`token_wait`]) and runs
+/// once more with it, rather than fail the sandbox into the runtime's back-off (up to 21 of 30
+/// pods starting during a rolling update retried before). Past the wait the error stands: after
+/// an uninstall no token comes again.
 async fn run_here(req: &Request, spent: Duration) -> Result<Option<super::Reply>, CniError> {
-    let store = connect(req).await?;
-    handle_within(&store, &Direct, req, spent).await
+    let path = kubeconfig_path(req)?;
+    let before = std::fs::read(&path).ok();
+    let started = std::time::Instant::now();
+    let first = handle_within(&connect(&path).await?, &Direct, req, spent).await;
+    match first {
+        Err(e) if e.details == UNAUTHENTICATED => {
+            if !renewed(&path, before.as_deref(), token_wait(req.command)).await {
+                return Err(e);
+            }
+            tracing::info!(kubeconfig = %path.display(), "the node's token was renewed while the request waited: running it again");
+            let spent = spent + started.elapsed();
+            handle_within(&connect(&path).await?, &Direct, req, spent).await
+        }
+        other => other,
+    }
+}
+
+/// How long a request whose credentials were rejected waits for new ones: half its patience for a
+/// plugin slot (20 s for an ADD, 10 s for the others), well within its deadline.
+fn token_wait(command: Command) -> Duration {
+    slots::patience(command) / 2
+}
+
+/// Whether the file at `path` holds something other than `before` within `wait` (read every
+/// 250 ms; the installer replaces it whole, by a rename).
+async fn renewed(path: &Path, before: Option<&[u8]>, wait: Duration) -> bool {
+    let until = tokio::time::Instant::now() + wait;
+    loop {
+        if std::fs::read(path).is_ok_and(|now| Some(now.as_slice()) != before) {
+            return true;
+        }
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// The plugin's own credentials: the kubeconfig the node's flat file names (or one a network
 /// config names inside the node's directories, once the file has passed the trust checks). Never
 /// the ambient ones (`KUBECONFIG`, `~/.kube/config`): on a control-plane node those are often
 /// cluster-admin, and a config that forgot its kubeconfig must not borrow them.
-async fn connect(req: &Request) -> Result<KubeStore, CniError> {
-    let invalid = |what: String| CniError::new(Code::InvalidConfig, what);
+fn kubeconfig_path(req: &Request) -> Result<std::path::PathBuf, CniError> {
     let Some(path) = req.ipam.kubeconfig.as_deref() else {
-        return Err(invalid(
-            "no kubeconfig: the node's flat file (whereabouts.d/whereabouts.conf) must name one in kubernetes.kubeconfig; the plugin never uses ambient credentials".into(),
+        return Err(CniError::new(
+            Code::InvalidConfig,
+            "no kubeconfig: the node's flat file (whereabouts.d/whereabouts.conf) must name one in kubernetes.kubeconfig; the plugin never uses ambient credentials",
         ));
     };
-    let mut path = std::path::PathBuf::from(path);
-    if let Some(check) = &req.kubeconfig_check {
-        path = check.check(&path).map_err(|p| invalid_config(&p))?;
+    let path = std::path::PathBuf::from(path);
+    match &req.kubeconfig_check {
+        Some(check) => check.check(&path).map_err(|p| invalid_config(&p)),
+        None => Ok(path),
     }
+}
+
+/// A client of the API server with the kubeconfig at `path` (see [`kubeconfig_path`]).
+async fn connect(path: &Path) -> Result<KubeStore, CniError> {
+    let invalid = |what: String| CniError::new(Code::InvalidConfig, what);
     let unavailable = |what: String| CniError::new(Code::TryAgainLater, what);
     let (mut config, namespace) =
-        crate::kubeconfig::load_node(&path)
+        crate::kubeconfig::load_node(path)
             .await
             .map_err(|e| match e {
                 crate::kubeconfig::KubeconfigError::RunsCommand { .. } => invalid(e.to_string()),

@@ -21,5 +21,6 @@ mod relist;
 mod slices;
 mod status;
 mod supply;
+mod token;
 mod trust;
 mod webhook;
