@@ -46,6 +46,7 @@ pub mod announce;
 pub mod claim;
 pub mod exact;
 pub mod group;
+pub mod neighbours;
 pub mod pool;
 pub mod release;
 pub mod turn;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Engine, Owned};
+use super::{Engine, Owned, neighbours};
 use crate::crd::IPAllocation;
 use crate::retry::MAX_CONFLICTS;
 use crate::store::{
@@ -160,6 +160,7 @@ impl<S: Datastore> Engine<'_, S> {
                 .into_iter()
                 .map(|p| (p.offset, p.entry))
                 .collect();
+            neighbours::note(&entry.node, entries.iter().map(|(_, e)| e.node.as_str()));
             if recorded {
                 if entries.is_empty() || follow_ups == FOLLOW_UP_WRITES {
                     return Ok(true);

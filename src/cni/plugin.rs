@@ -102,6 +102,10 @@ fn execute(command: Command, inv: &Invocation, stdin: &str) -> Result<Option<Val
         .build()
         .expect("tokio runtime");
     let reply = runtime.block_on(run_here(&req, spent));
+    // What its turns saw widens or narrows the node's bound for the requests behind it.
+    if let Some(bound) = &req.ipam.plugin_slots {
+        slots::note(bound, crate::alloc::neighbours::seen());
+    }
     drop(slot);
     Ok(reply?.map(|r| r.to_value()))
 }

@@ -29,16 +29,26 @@
 //! ADDs out, and DELs no longer race ADDs for every freed slot. Without that, the
 //! loaded 20-round chaos run (2026-12-02) had DELs of the plugin alone turned away for 180 s: one
 //! release slot and an even race for each freed common slot served fewer DELs than arrived.
+//!
+//! Why wider when alone: a node bursting on pools no other node claims from is bound by its own
+//! round trips, not the API server; 8 processes made its 200 ADDs twice as slow as no bound
+//! (docs/benchmarks.md). So each plugin process reports what its writer turns saw ([`note`]):
+//! `alone` in the folder if every other claim they recorded was this node's, else `crowded`.
+//! While `alone` is fresh and `crowded` is not, ADDs may also take the wide slots (up to [`WIDE`]
+//! times `plugin_slots`). A storm of many nodes on one pool sees their claims from its first
+//! turns and stays narrow (a congestion window, opened on fast answers, let hundreds in first).
 
 use std::fs::{DirBuilder, File, OpenOptions};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use rustix::fs::{FlockOperation, OFlags, flock};
 
 use super::protocol::{CniError, Code, Command};
+use crate::alloc::neighbours::Neighbours;
 use crate::config::PluginSlots;
+use crate::config::ipam::MAX_PLUGIN_SLOTS;
 
 /// How long an ADD waits for a slot: the rest of its deadline stays for the work.
 pub const ADD_PATIENCE: Duration = Duration::from_secs(40);
@@ -46,6 +56,12 @@ pub const ADD_PATIENCE: Duration = Duration::from_secs(40);
 pub const OTHER_PATIENCE: Duration = Duration::from_secs(20);
 /// Pauses of the gate holder between polls of the slots (it is the only one polling).
 const PAUSE_MS: std::ops::RangeInclusive<u64> = 1..=3;
+/// How many times `plugin_slots` ADDs a node that bursts alone may have at work.
+pub const WIDE: u32 = 4;
+/// How recent a turn that saw only this node's claims must be to widen the bound.
+const ALONE_FRESH: Duration = Duration::from_secs(2);
+/// How long one sighting of another node's claim keeps the bound narrow.
+const CROWDED_HOLD: Duration = Duration::from_secs(10);
 
 /// A slot held by this process until it is dropped (or the process ends).
 #[derive(Debug)]
@@ -106,13 +122,19 @@ pub fn take(slots: &PluginSlots, lane: Lane, patience: Duration) -> Result<Optio
         index: index as u32,
         waited: started.elapsed(),
     };
+    let narrow = files.len() - wide_slots(slots, lane);
     let free = |files: &Vec<Option<File>>| {
         let yielded = if releases.as_ref().is_some_and(release_waits) {
             releases_first(slots.count)
         } else {
             0
         };
-        try_any(files, yielded)
+        let open = if narrow < files.len() && alone(slots) {
+            files.len()
+        } else {
+            narrow
+        };
+        try_any(&files[..open], yielded)
     };
     if let Some(index) = free(&files) {
         return Ok(Some(taken(&mut files, index)));
@@ -174,29 +196,21 @@ fn release_waits(release_gate: &File) -> bool {
     false
 }
 
-/// Opens (creating) the lane's gate and the lock files it may take: `slot-0` .. `slot-<count-1>`,
-/// and for releases `release-slot` first; for the common lane also the releases' gate, to yield
-/// to them. The directory is root's (0700): the flat file that names it is the node's.
+/// Opens (creating) the lane's gate and the lock files it may take: `slot-0` .. `slot-<count-1>`
+/// and the wide slots after them ([`wide_slots`]), and for releases `release-slot` first; for the
+/// common lane also the releases' gate, to yield to them. The directory is root's (0700): the
+/// flat file that names it is the node's.
 fn open_all(slots: &PluginSlots, lane: Lane) -> std::io::Result<(File, Vec<File>, Option<File>)> {
     let dir = Path::new(&slots.dir);
     DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
-    let open = |name: String| {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(OFlags::NOFOLLOW.bits() as i32)
-            .open(dir.join(name))
-    };
+    let open = |name: String| open_in(dir, &name);
     let (gate, own) = match lane {
         Lane::Common => ("gate", None),
         Lane::Release => ("release-gate", Some("release-slot".to_string())),
     };
     let files = own
         .into_iter()
-        .chain((0..slots.count).map(|i| format!("slot-{i}")))
+        .chain((0..slots.count + wide_slots(slots, lane) as u32).map(|i| format!("slot-{i}")))
         .map(open)
         .collect::<std::io::Result<_>>()?;
     let releases = match lane {
@@ -204,6 +218,58 @@ fn open_all(slots: &PluginSlots, lane: Lane) -> std::io::Result<(File, Vec<File>
         Lane::Release => None,
     };
     Ok((open(gate.into())?, files, releases))
+}
+
+/// Opens (creating, root's alone, never through a symlink) file `name` of the slots' folder.
+fn open_in(dir: &Path, name: &str) -> std::io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(OFlags::NOFOLLOW.bits() as i32)
+        .open(dir.join(name))
+}
+
+/// How many slots past `plugin_slots` the lane may take while its node bursts alone: ADDs only
+/// (releases have their own slot and go first anyway), and no more than `plugin_slots`' own
+/// maximum in all (each process opens every lock file: 1024 would meet a common fd limit).
+fn wide_slots(slots: &PluginSlots, lane: Lane) -> usize {
+    match lane {
+        Lane::Common => (slots.count * WIDE)
+            .min(MAX_PLUGIN_SLOTS as u32)
+            .saturating_sub(slots.count) as usize,
+        Lane::Release => 0,
+    }
+}
+
+/// Records what this process's writer turns saw of other nodes (see the module's comment): the
+/// time of the sighting, as the modification time of `alone` or `crowded` in the folder.
+pub fn note(slots: &PluginSlots, seen: Neighbours) {
+    let name = match seen {
+        Neighbours::Unknown => return,
+        Neighbours::Alone => "alone",
+        Neighbours::Crowded => "crowded",
+    };
+    let touched =
+        open_in(Path::new(&slots.dir), name).and_then(|f| f.set_modified(SystemTime::now()));
+    if let Err(e) = touched {
+        tracing::debug!(dir = %slots.dir, file = name, error = %e, "cannot note what the turns saw");
+    }
+}
+
+/// Whether the node bursts alone: a turn saw only its claims lately, and none saw another
+/// node's for a while.
+fn alone(slots: &PluginSlots) -> bool {
+    let age = |name: &str| {
+        let modified =
+            std::fs::metadata(Path::new(&slots.dir).join(name)).and_then(|m| m.modified());
+        modified
+            .ok()
+            .and_then(|t| SystemTime::now().duration_since(t).ok())
+    };
+    age("alone").is_some_and(|a| a < ALONE_FRESH) && age("crowded").is_none_or(|c| c > CROWDED_HOLD)
 }
 
 /// How many of the common slots (`slot-0` on) a waiting release has first: half of them, so that
@@ -261,6 +327,44 @@ mod tests {
         drop(a);
         let c = take(&slots, Lane::Common, Duration::ZERO).unwrap().unwrap();
         assert_eq!(c.index, 1 - b.index);
+    }
+
+    #[test]
+    fn a_node_alone_on_its_pools_takes_the_wide_slots_until_another_node_shows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let slots = bound(tmp.path(), 2);
+        let at_once = |lane| {
+            let held: Vec<Slot> = std::iter::from_fn(|| take(&slots, lane, Duration::ZERO).ok()?)
+                .take(100)
+                .collect();
+            held.len()
+        };
+        let narrow = 2;
+        let wide = 2 * WIDE as usize;
+        assert_eq!(at_once(Lane::Common), narrow, "nothing noted yet");
+        note(&slots, Neighbours::Alone);
+        assert_eq!(at_once(Lane::Common), wide);
+        assert_eq!(
+            at_once(Lane::Release),
+            narrow + 1,
+            "releases are not widened"
+        );
+        // A sighting that is no longer fresh does not widen.
+        let stale = SystemTime::now() - ALONE_FRESH - Duration::from_millis(100);
+        let alone = File::options()
+            .write(true)
+            .open(tmp.path().join("slots/alone"));
+        alone.unwrap().set_modified(stale).unwrap();
+        assert_eq!(at_once(Lane::Common), narrow);
+        // Another node's claim keeps it narrow, whatever the turns see after it.
+        note(&slots, Neighbours::Crowded);
+        note(&slots, Neighbours::Alone);
+        assert_eq!(at_once(Lane::Common), narrow);
+        note(&slots, Neighbours::Unknown);
+        assert_eq!(at_once(Lane::Common), narrow);
+        // Never more than plugin_slots' maximum in all.
+        let big = |count| wide_slots(&bound(tmp.path(), count), Lane::Common) as u32 + count;
+        assert_eq!((big(8), big(64), big(200), big(256)), (32, 256, 256, 256));
     }
 
     #[test]

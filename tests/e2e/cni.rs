@@ -366,7 +366,8 @@ fn a_full_pool_object_refuses_the_add_for_good() {
 
 /// The node's bound (`plugin_slots`): while every slot is held, plugins wait and send nothing;
 /// once the slots come free they all run. The slots are held here as a plugin holds one: an
-/// exclusive flock on the slot's lock file.
+/// exclusive flock on the slot's lock file; all of them, the wide ones too (a node whose turns
+/// saw only its own claims may use those: `slots::WIDE`).
 #[test]
 fn a_nodes_plugins_wait_for_its_slots_and_send_nothing_meanwhile() {
     use rustix::fs::{FlockOperation, flock};
@@ -380,7 +381,8 @@ fn a_nodes_plugins_wait_for_its_slots_and_send_nothing_meanwhile() {
     )
     .unwrap();
     std::fs::create_dir_all(&slots).unwrap();
-    let held: Vec<std::fs::File> = (0..2)
+    let all = 2 * whereabouts::cni::slots::WIDE;
+    let held: Vec<std::fs::File> = (0..all)
         .map(|i| {
             let f = std::fs::File::create(slots.join(format!("slot-{i}"))).unwrap();
             flock(&f, FlockOperation::NonBlockingLockExclusive).unwrap();
@@ -415,7 +417,7 @@ fn a_nodes_plugins_wait_for_its_slots_and_send_nothing_meanwhile() {
     assert_eq!(addresses.len(), 6);
     assert_eq!(ns.allocations("10.77.0.0-24").len(), 6);
     // A DEL frees what a waiting ADD may need: it does not queue behind ADDs holding every slot.
-    let held: Vec<std::fs::File> = (0..2)
+    let held: Vec<std::fs::File> = (0..all)
         .map(|i| {
             let f = std::fs::File::open(slots.join(format!("slot-{i}"))).unwrap();
             flock(&f, FlockOperation::NonBlockingLockExclusive).unwrap();
