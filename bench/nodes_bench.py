@@ -11,6 +11,8 @@ an IPv4 and an IPv6 range. Timed from the first spawn to the last ADD's exit. Mo
                    NetworkAttachmentDefinition with the same config and N Node objects
   ours-agents      our plugin + one node agent per node, no node slices (one pool per range)
   ours-plugins     our plugin alone (`agent_socket: ""`), no node slices
+  ours-plugins-slices  our plugin alone with `node_slice_size`: each node alone on the pools
+                   of its slices (every node's bound widens, cni::slots)
   upstream-slices  upstream's plugin with `node_slice_size`, slices assigned by OUR operator
                    (upstream slices its first range only; whatever happens is counted)
   upstream         upstream's plugin, no node slices
@@ -61,6 +63,8 @@ MODES = {
     "ours-agents": {"label": "ours, agents", "impl": "ours", "agents": True, "slices": False},
     "ours-plugins": {"label": "ours, plugin alone", "impl": "ours", "agents": False,
                      "slices": False},
+    "ours-plugins-slices": {"label": "ours, node slices, plugin alone", "impl": "ours",
+                            "agents": False, "slices": True},
     "upstream-slices": {"label": "upstream, node slices", "impl": "upstream", "agents": False,
                         "slices": True},
     "upstream": {"label": "upstream", "impl": "upstream", "agents": False, "slices": False},
