@@ -555,6 +555,9 @@ class Mode:
         """All nodes' ADDs at once (spawned round-robin over the nodes); waits for every one,
         kills what is left at the deadline or when memory runs low. Returns (results, extra)."""
         jobs = [(node, i) for i in range(per_node) for node in self.nodes]
+        lead = self.args.first_alone
+        if lead:  # the first node's ADDs first, alone for `lead` seconds, then the others'
+            jobs.sort(key=lambda job: job[0] != self.nodes[0])
         n = len(jobs)
         starts, ends, rcs = [None] * n, [None] * n, [None] * n
         killed = [None] * n  # why a process was killed
@@ -609,6 +612,8 @@ class Mode:
         watcher.start()
         t0 = time.monotonic()
         for k, (node, i) in enumerate(jobs):
+            if lead and k == per_node:
+                time.sleep(lead)
             starts[k] = time.monotonic()
             p = self.spawn(node, i)
             procs[k] = p
@@ -975,6 +980,7 @@ def run_mode(kube, key, args, workroot, nodes):
             "ranges": mode.ranges,
             "config": mode.ipam(),
             "plugin_slots": args.plugin_slots if MODES[key]["impl"] == "ours" else None,
+            "first_alone_s": args.first_alone,
             "identity": args.identity if MODES[key]["impl"] == "ours" else "admin",
             "node_policy": args.node_policy if args.identity != "admin" else None,
             "agent_args": args.agent_args if MODES[key]["agents"] else None,
@@ -1157,6 +1163,10 @@ def main():
     ap.add_argument("--runtime-retries", type=int, default=0,
                     help="retry a failed ADD up to N times as a kubelet does: DEL, a pause of "
                          "--retry-pause (jittered 0.5x-1.5x), ADD again (default 0: each ADD once)")
+    ap.add_argument("--first-alone", type=float, default=0.0, metavar="S",
+                    help="spawn the first node's ADDs first and the other nodes' S seconds "
+                         "later (a node that bursts alone, and widens its bound, then meets a "
+                         "storm; default 0: all at once)")
     ap.add_argument("--retry-pause", type=float, default=10.0,
                     help="the pause before a retried ADD, s (default 10: the kubelet's pod worker "
                          "backoff)")
