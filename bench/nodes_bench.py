@@ -1227,6 +1227,8 @@ def main():
     for m in modes:
         if m not in MODES:
             sys.exit(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+    if not args.first_alone >= 0:  # also refuses nan
+        sys.exit(f"--first-alone {args.first_alone}: must be 0 or more seconds")
     args.ours, args.operator, args.upstream = (str(Path(p).resolve()) for p in
                                                (args.ours, args.operator, args.upstream))
     need = set()

@@ -57,7 +57,7 @@ pub const OTHER_PATIENCE: Duration = Duration::from_secs(20);
 /// Pauses of the gate holder between polls of the slots (it is the only one polling).
 const PAUSE_MS: std::ops::RangeInclusive<u64> = 1..=3;
 /// How many times `plugin_slots` ADDs a node that bursts alone may have at work: 8 (64 by
-/// default) brought a lone node's 200 ADDs within 1.1x-1.2x of no bound, where 4 left 1.3x; ten
+/// default) brought a lone node's 200 ADDs to 1.2x the time with no bound, where 4 left 1.3x; ten
 /// nodes each alone on their slices (640 at once) took no longer than at 4 (docs/benchmarks.md).
 pub const WIDE: u32 = 8;
 /// How recent a turn that saw only this node's claims must be to widen the bound.
