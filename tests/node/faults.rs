@@ -279,8 +279,15 @@ fn a_rolling_update_of_the_daemonset_while_pods_start_fails_no_pod_for_good() {
         "rolling update: {} sandbox creations failed and were retried: {failed:?}",
         failed.len()
     );
+    // Multus's own lookup of the pod, before it runs any delegate, gives the API server 250 ms
+    // (multus-cni#1461, #1453): on this loaded 2-core machine it sometimes runs out during the
+    // rollout (6 of 30 pods in one run). That is not the plugin's failure, so it is counted
+    // apart; the kubelet retries those sandboxes like any other.
+    let (multus, ours): (Vec<&String>, Vec<&String>) = (failed.iter())
+        .partition(|m| m.contains("Multus: [") && m.contains("error waiting for pod"));
+    eprintln!("of which Multus's own pod lookup: {}", multus.len());
     let try_again = ["node agent at /run/whereabouts/", "try again later"];
-    let other: Vec<&String> = (failed.iter())
+    let other: Vec<&&String> = (ours.iter())
         .filter(|m| !try_again.iter().any(|t| m.contains(t)))
         .collect();
     assert!(
@@ -288,7 +295,7 @@ fn a_rolling_update_of_the_daemonset_while_pods_start_fails_no_pod_for_good() {
         "sandboxes failed for another reason than 'try again later': {other:?}"
     );
     let mut per_pod: BTreeMap<&str, usize> = BTreeMap::new();
-    for m in &failed {
+    for m in &ours {
         *per_pod.entry(m.split(':').next().unwrap()).or_default() += 1;
     }
     assert!(
