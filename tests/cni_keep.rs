@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{CniError, Code, Command};
-use whereabouts::cni::{FlatSource, Invocation, Request};
+use whereabouts::cni::{FlatSource, Invocation, Request, keep};
 use whereabouts::crd::{IPAMClaim, IPAMClaimSpec};
 use whereabouts::store::memory::MemoryStore;
 use whereabouts::store::{Datastore, PodFacts};
@@ -27,6 +27,11 @@ fn request(
         conf[k] = v.clone();
     }
     let vars: HashMap<&str, String> = HashMap::from([
+        // Pods named launcher-<x> run on node-<x> (a VM's pods move between nodes).
+        (
+            "NODENAME",
+            format!("node-{}", pod.trim_start_matches("launcher-")),
+        ),
         ("CNI_CONTAINERID", container.to_owned()),
         ("CNI_IFNAME", "net1".to_owned()),
         (
@@ -332,12 +337,15 @@ async fn an_ipamclaim_keeps_its_addresses_across_pods() {
     assert_eq!(first, ["10.0.2.1/29", "fd00:2::1/125"]);
     let recorded = store.ipam_claim("ns/vm1.net").unwrap().status.unwrap();
     assert_eq!(recorded.ips, first);
-    assert_eq!(recorded.owner_pod.unwrap().name, "launcher-a");
+    assert_eq!(recorded.owner_pod.as_ref().unwrap().name, "launcher-a");
     let c = &recorded.conditions[0];
     assert_eq!(
         (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
         ("IPsAllocated", "True", "SuccessfulAllocation")
     );
+    // The record names the node that wrote it (the claims policy holds a node's credentials to
+    // their own node's name there).
+    assert_eq!(keep::recorder(&recorded), Some("node-a"));
     // A live migration: the target pod refers to the same claim while the source runs.
     vm_pod(&store, "launcher-b", "vm1.net");
     assert_eq!(
@@ -346,17 +354,14 @@ async fn an_ipamclaim_keeps_its_addresses_across_pods() {
             .unwrap(),
         first
     );
+    let moved = store.ipam_claim("ns/vm1.net").unwrap().status.unwrap();
+    assert_eq!(moved.owner_pod.as_ref().unwrap().name, "launcher-b");
     assert_eq!(
-        store
-            .ipam_claim("ns/vm1.net")
-            .unwrap()
-            .status
-            .unwrap()
-            .owner_pod
-            .unwrap()
-            .name,
-        "launcher-b"
+        keep::recorder(&moved),
+        Some("node-b"),
+        "the target's node wrote it"
     );
+    assert_eq!(moved.conditions.len(), 2, "{:?}", moved.conditions);
     // Both pods go: DEL keeps the addresses; the next pod of the VM gets them back.
     del(&store, &ipam, "launcher-a", "c-launcher-a").await;
     del(&store, &ipam, "launcher-b", "c-launcher-b").await;

@@ -113,7 +113,14 @@ async fn add<S: Datastore, A: Allocate<S>>(
     match allocated {
         Ok(ips) => {
             let addresses: Vec<ipnet::IpNet> = ips.iter().map(|r| r.address).collect();
-            keep::record(store, claim, &addresses, &req.args.pod_name).await?;
+            keep::record(
+                store,
+                claim,
+                &addresses,
+                &req.args.pod_name,
+                req.node.as_deref(),
+            )
+            .await?;
             reply(req, ips)
         }
         Err(e) => {

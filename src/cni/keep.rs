@@ -1,8 +1,8 @@
 //! Addresses that stay past a pod. An ADD on a network that keeps addresses reads its pod, then
 //! gives the attachment its holder: the IPAMClaim its network-selection element refers to
 //! (`allowPersistentIPs`), else its StatefulSet (`sticky_statefulset`). A claim's `status.ips` are
-//! the addresses to give again; after a first allocation they are written there, with the pod and
-//! the `IPsAllocated` condition.
+//! the addresses to give again; after a first allocation they are written there, with the pod, the
+//! `IPsAllocated` condition and the node that wrote them ([`RECORDED_BY`]).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -159,6 +159,7 @@ pub async fn record<S: Datastore>(
     claim: &IPAMClaim,
     ips: &[ipnet::IpNet],
     pod: &str,
+    node: Option<&str>,
 ) -> Result<(), CniError> {
     let texts: Vec<String> = ips.iter().map(ToString::to_string).collect();
     let ours: BTreeSet<IpAddr> = ips.iter().map(ipnet::IpNet::addr).collect();
@@ -192,12 +193,19 @@ pub async fn record<S: Datastore>(
             "SuccessfulAllocation",
             "addresses allocated by whereabouts",
         );
-        if status.ips == texts && status.owner_pod == owner && has_condition(&status, &allocated) {
+        if status.ips == texts
+            && status.owner_pod == owner
+            && has_condition(&status, &allocated)
+            && node.is_none_or(|n| recorder(&status) == Some(n))
+        {
             return Ok(());
         }
         status.ips = texts.clone();
         status.owner_pod = owner;
         set_condition(&mut status, allocated);
+        if let Some(node) = node {
+            set_condition(&mut status, recorded_by(node));
+        }
         if store
             .write_ipam_claim_status(&claim, &status)
             .await
@@ -273,6 +281,32 @@ pub async fn release_unclaimed<S: Datastore>(
         return Ok(Vec::new());
     }
     Engine::new(store, target).release_entries(&gone).await
+}
+
+/// The condition that names the node whose credentials last recorded the claim's addresses or
+/// owner pod: its message is the node's name. The claims policy (config/rbac/node-limits.yaml)
+/// requires a node's credentials to name their own node here whenever they record either, so a
+/// claim always says which node wrote what it holds, and no node can pass its record off as
+/// another's (docs/security.md).
+pub const RECORDED_BY: &str = "whereabouts.cni.cncf.io/RecordedBy";
+
+/// [`RECORDED_BY`] naming `node`.
+pub fn recorded_by(node: &str) -> ClaimCondition {
+    ClaimCondition {
+        type_: RECORDED_BY.into(),
+        status: "True".into(),
+        reason: "RecordedByNode".into(),
+        message: node.into(),
+        last_transition_time: now_rfc3339(),
+        observed_generation: None,
+    }
+}
+
+/// The node the claim's [`RECORDED_BY`] names, if any.
+pub fn recorder(status: &IPAMClaimStatus) -> Option<&str> {
+    (status.conditions.iter())
+        .find(|c| c.type_ == RECORDED_BY)
+        .map(|c| c.message.as_str())
 }
 
 fn condition(status: &str, reason: &str, message: &str) -> ClaimCondition {

@@ -206,8 +206,15 @@ fn delete_claim(ns: &Ns, kubeconfig: &Path, name: &str, dry: bool) -> std::proce
 }
 
 /// Writes IPAMClaim `ns/name`'s `status.ips` as the plugin does (`KubeStore`, whose kubeconfig is
-/// `kubeconfig`); the API server's refusal as text.
-fn claim_status(kubeconfig: &Path, ns: &str, name: &str, ips: &[&str]) -> Result<(), String> {
+/// `kubeconfig`), naming `recorder` in its RecordedBy condition (none: left as it was); the API
+/// server's refusal as text.
+fn claim_status(
+    kubeconfig: &Path,
+    ns: &str,
+    name: &str,
+    ips: &[&str],
+    recorder: Option<&str>,
+) -> Result<(), String> {
     use whereabouts::store::Datastore as _;
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
@@ -219,6 +226,10 @@ fn claim_status(kubeconfig: &Path, ns: &str, name: &str, ips: &[&str]) -> Result
         let claim = store.get_ipam_claim(ns, name).await.unwrap().unwrap();
         let mut status = claim.status.clone().unwrap_or_default();
         status.ips = ips.iter().map(|ip| ip.to_string()).collect();
+        if let Some(node) = recorder {
+            (status.conditions).retain(|c| c.type_ != whereabouts::cni::keep::RECORDED_BY);
+            (status.conditions).push(whereabouts::cni::keep::recorded_by(node));
+        }
         match store.write_ipam_claim_status(&claim, &status).await {
             Ok(whereabouts::store::Write::Done) => Ok(()),
             Ok(other) => Err(format!("{other:?}")),
@@ -349,10 +360,23 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     }
     // (Refused once the API server has loaded the policy: probed on a claim of its own, put back
     // by the admin while a's change still goes through.)
-    claim_status(&a_creds, &ns.name, "probe.net", &["10.94.0.250/32"]).unwrap();
+    claim_status(
+        &a_creds,
+        &ns.name,
+        "probe.net",
+        &["10.94.0.250/32"],
+        Some(&a.name),
+    )
+    .unwrap();
     assert!(
         eventually(30, || {
-            let moved = claim_status(&a_creds, &ns.name, "probe.net", &["10.94.0.251/32"]);
+            let moved = claim_status(
+                &a_creds,
+                &ns.name,
+                "probe.net",
+                &["10.94.0.251/32"],
+                Some(&a.name),
+            );
             let back = json!({"status": {"ips": ["10.94.0.250/32"]}}).to_string();
             let patch = [
                 "patch",
@@ -370,7 +394,7 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     );
     // Written as the plugin writes it (its store, a merge patch of the status at the version
     // read), with a's credentials.
-    let record = |ips: &[&str]| claim_status(&a_creds, &ns.name, "vm1.net", ips);
+    let record = |ips: &[&str]| claim_status(&a_creds, &ns.name, "vm1.net", ips, Some(&a.name));
     let recorded = ["10.94.0.200/32", "fd00::5/64"];
     for ips in [&["10.94.0.200/24"][..], &recorded] {
         record(ips).unwrap();
@@ -383,6 +407,39 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     }
     let vm = ns.get_json(&["ipamclaim", "vm1.net"]).unwrap();
     assert_eq!(vm["status"]["ips"], json!(recorded));
+    // Every record names the node that wrote it: a's token can neither name b as the recorder
+    // (of a new record, or of vm1's) nor record addresses without naming itself.
+    let recorder_of = |claim: &str| {
+        let c = ns.get_json(&["ipamclaim", claim]).unwrap();
+        let conditions = c["status"]["conditions"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        (conditions.iter())
+            .filter(|c| c["type"] == whereabouts::cni::keep::RECORDED_BY)
+            .map(|c| c["message"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(recorder_of("vm1.net"), std::slice::from_ref(&a.name));
+    let vm2 = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+        "metadata": {"name": "vm2.net"}, "spec": {"network": "net", "interface": "net1"}});
+    ns.kubectl_ok_stdin(&["create", "-f", "-"], &vm2.to_string());
+    let forged = ["10.94.0.210/32"];
+    let err = claim_status(&a_creds, &ns.name, "vm2.net", &forged, Some(&b.name)).unwrap_err();
+    assert!(err.contains("may name only its own node"), "{err}");
+    assert!(
+        err.contains(&format!("this write names {}", b.name)),
+        "{err}"
+    );
+    let err = claim_status(&a_creds, &ns.name, "vm2.net", &forged, None).unwrap_err();
+    assert!(err.contains("only naming its own node"), "{err}");
+    let err = claim_status(&a_creds, &ns.name, "vm1.net", &recorded, Some(&b.name)).unwrap_err();
+    assert!(err.contains("may name only its own node"), "{err}");
+    assert_eq!(recorder_of("vm1.net"), std::slice::from_ref(&a.name));
+    assert!(recorder_of("vm2.net").is_empty());
+    // b's token takes vm1's record over, naming b (a live migration's target on b).
+    claim_status(&b_creds, &ns.name, "vm1.net", &recorded, Some(&b.name)).unwrap();
+    assert_eq!(recorder_of("vm1.net"), std::slice::from_ref(&b.name));
 
     // a's own CHECK, DEL and GC work: GC frees a's entry whose pod is gone, never b's.
     let mut check = a.conf(&ipam);
