@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use serde_json::{Value, json};
 use whereabouts::cni::protocol::{CniError, Code, Command};
-use whereabouts::cni::{FlatSource, Invocation, Request, keep};
+use whereabouts::cni::{FlatSource, Invocation, Request};
+use whereabouts::crd::claim;
 use whereabouts::crd::{IPAMClaim, IPAMClaimSpec};
 use whereabouts::store::memory::MemoryStore;
 use whereabouts::store::{Datastore, PodFacts};
@@ -345,7 +346,7 @@ async fn an_ipamclaim_keeps_its_addresses_across_pods() {
     );
     // The record names the node that wrote it (the claims policy holds a node's credentials to
     // their own node's name there).
-    assert_eq!(keep::recorder(&recorded), Some("node-a"));
+    assert_eq!(claim::recorder(&recorded), Some("node-a"));
     // A live migration: the target pod refers to the same claim while the source runs.
     vm_pod(&store, "launcher-b", "vm1.net");
     assert_eq!(
@@ -357,7 +358,7 @@ async fn an_ipamclaim_keeps_its_addresses_across_pods() {
     let moved = store.ipam_claim("ns/vm1.net").unwrap().status.unwrap();
     assert_eq!(moved.owner_pod.as_ref().unwrap().name, "launcher-b");
     assert_eq!(
-        keep::recorder(&moved),
+        claim::recorder(&moved),
         Some("node-b"),
         "the target's node wrote it"
     );

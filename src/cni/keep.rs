@@ -7,12 +7,11 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use serde::Deserialize;
-
 use super::Request;
 use super::protocol::{CniError, Code};
 use super::requested::{self, Requested};
 use crate::alloc::{Engine, Holder, Owner, Target};
+use crate::crd::claim::{RECORDED_BY, now_rfc3339, recorded_by, recorder};
 use crate::crd::{ClaimCondition, IPAMClaim, IPAMClaimStatus, IPAllocation, OwnerPod};
 use crate::store::{Datastore, NETWORKS_ANNOTATION, StoreError, Write};
 
@@ -87,39 +86,15 @@ fn check_claim_spec(claim: &IPAMClaim, network: &str, ifname: &str) -> Result<()
     ))
 }
 
-/// One network-selection element, as far as claims go.
-#[derive(Deserialize)]
-struct Selection {
-    #[serde(default)]
-    interface: Option<String>,
-    #[serde(rename = "ipam-claim-reference", default)]
-    claim: Option<String>,
-}
-
-/// The `ipam-claim-reference` of the pod's network-selection element for interface `ifname`.
-/// Multus names an element's interface `net<position>` when it does not say, so both count. The
-/// annotation's short form (`a,ns/b@eth1`) refers to no claims.
+/// The `ipam-claim-reference` of the pod's network-selection element for interface `ifname`
+/// ([`crate::crd::claim::claim_reference`]).
 pub fn claim_reference(networks: Option<&str>, ifname: &str) -> Result<Option<String>, CniError> {
-    let Some(text) = networks.map(str::trim).filter(|t| t.starts_with('[')) else {
-        return Ok(None);
-    };
-    let elements: Vec<Selection> = serde_json::from_str(text).map_err(|e| {
+    crate::crd::claim::claim_reference(networks, ifname).map_err(|e| {
         CniError::new(
             Code::InvalidConfig,
             format!("pod annotation {NETWORKS_ANNOTATION} is not a list of network-selection elements: {e}"),
         )
-    })?;
-    Ok(elements
-        .into_iter()
-        .enumerate()
-        .find(|(i, e)| {
-            e.interface
-                .clone()
-                .unwrap_or_else(|| format!("net{}", i + 1))
-                == ifname
-        })
-        .and_then(|(_, e)| e.claim)
-        .filter(|c| !c.is_empty()))
+    })
 }
 
 /// The claim's `status.ips` as requested addresses.
@@ -203,8 +178,11 @@ pub async fn record<S: Datastore>(
         status.ips = texts.clone();
         status.owner_pod = owner;
         set_condition(&mut status, allocated);
+        // Written now (its transition time is when the record was made: the operator checks
+        // fresh records against their pods).
         if let Some(node) = node {
-            set_condition(&mut status, recorded_by(node));
+            status.conditions.retain(|c| c.type_ != RECORDED_BY);
+            status.conditions.push(recorded_by(node));
         }
         if store
             .write_ipam_claim_status(&claim, &status)
@@ -283,32 +261,6 @@ pub async fn release_unclaimed<S: Datastore>(
     Engine::new(store, target).release_entries(&gone).await
 }
 
-/// The condition that names the node whose credentials last recorded the claim's addresses or
-/// owner pod: its message is the node's name. The claims policy (config/rbac/node-limits.yaml)
-/// requires a node's credentials to name their own node here whenever they record either, so a
-/// claim always says which node wrote what it holds, and no node can pass its record off as
-/// another's (docs/security.md).
-pub const RECORDED_BY: &str = "whereabouts.cni.cncf.io/RecordedBy";
-
-/// [`RECORDED_BY`] naming `node`.
-pub fn recorded_by(node: &str) -> ClaimCondition {
-    ClaimCondition {
-        type_: RECORDED_BY.into(),
-        status: "True".into(),
-        reason: "RecordedByNode".into(),
-        message: node.into(),
-        last_transition_time: now_rfc3339(),
-        observed_generation: None,
-    }
-}
-
-/// The node the claim's [`RECORDED_BY`] names, if any.
-pub fn recorder(status: &IPAMClaimStatus) -> Option<&str> {
-    (status.conditions.iter())
-        .find(|c| c.type_ == RECORDED_BY)
-        .map(|c| c.message.as_str())
-}
-
 fn condition(status: &str, reason: &str, message: &str) -> ClaimCondition {
     ClaimCondition {
         type_: "IPsAllocated".into(),
@@ -337,12 +289,6 @@ fn set_condition(status: &mut IPAMClaimStatus, mut c: ClaimCondition) {
     } else {
         status.conditions.push(c);
     }
-}
-
-fn now_rfc3339() -> String {
-    k8s_openapi::jiff::Timestamp::now()
-        .strftime("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
 }
 
 fn key(claim: &IPAMClaim) -> String {

@@ -275,13 +275,13 @@ pub fn trim_statefulset(s: &mut StatefulSet) {
     }
 }
 
-/// Keeps only a claim's name and the addresses its status records.
+/// Keeps only a claim's name and what its status records: the addresses, the owner pod and the
+/// node that wrote them (for [`super::claim_records`]).
 pub fn trim_claim(c: &mut IPAMClaim) {
     c.metadata.managed_fields = None;
     c.metadata.annotations = None;
     if let Some(status) = c.status.as_mut() {
-        status.conditions.clear();
-        status.owner_pod = None;
+        (status.conditions).retain(|c| c.type_ == crate::crd::claim::RECORDED_BY);
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::{Context, audit, holders, nads, slices, status};
+use super::{Context, audit, claim_records, holders, nads, slices, status};
 
 pub(super) async fn audit_loop(ctx: Arc<Context>) {
     let mut auditor = audit::Auditor::new();
@@ -101,7 +101,10 @@ const HOLDER_PERIOD: Duration = Duration::from_secs(60);
 /// StatefulSet and IPAMClaim changes and pod deletions. Never decided from partial lists (that
 /// would free kept addresses): a kind whose cache has not listed yet is left for a later pass,
 /// without holding up the other.
+/// Fresh IPAMClaim records are checked against their pods here too (`claim_records`): claim
+/// changes wake this loop.
 pub(super) async fn holder_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
+    let mut checked = std::collections::HashSet::new();
     loop {
         if ctx.is_leader() {
             let started = std::time::Instant::now();
@@ -111,6 +114,9 @@ pub(super) async fn holder_loop(ctx: Arc<Context>, changed: Arc<Notify>) {
             }
             ctx.metrics
                 .observe_reconcile("holders", result.is_ok(), started.elapsed());
+            if let Err(e) = claim_records::check(&ctx, &mut checked).await {
+                tracing::warn!(error = %e, "IPAMClaim record check failed");
+            }
         }
         let _ = tokio::time::timeout(HOLDER_PERIOD, changed.notified()).await;
         // Coalesces a burst (a StatefulSet scaled down by many replicas).

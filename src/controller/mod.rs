@@ -7,6 +7,7 @@
 //! by the audit, which runs on start and then periodically.
 
 pub mod audit;
+pub mod claim_records;
 pub mod cleanup;
 pub mod deferral;
 pub mod findings;
@@ -68,7 +69,7 @@ pub struct Caches {
     pub slice_pools: Store<NodeSlicePool>,
     /// StatefulSets, trimmed to their replicas: who keeps sticky addresses.
     pub statefulsets: Store<StatefulSet>,
-    /// IPAMClaims, trimmed to their names: who keeps claimed addresses.
+    /// IPAMClaims, trimmed to their names and records: who keeps claimed addresses.
     pub claims: Store<IPAMClaim>,
 }
 

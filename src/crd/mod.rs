@@ -5,6 +5,7 @@
 //! operator never confuses two pods of one name. Upstream ignores it; an upstream CRD would prune it,
 //! which is why the CRDs in `crds/` (generated from these types) carry it.
 
+pub mod claim;
 pub mod pod;
 pub mod size;
 

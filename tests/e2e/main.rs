@@ -5,6 +5,7 @@ mod agent;
 mod arm64;
 mod audit;
 mod certs;
+mod claim_records;
 mod claims;
 mod cni;
 mod connection;

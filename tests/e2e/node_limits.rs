@@ -227,8 +227,8 @@ fn claim_status(
         let mut status = claim.status.clone().unwrap_or_default();
         status.ips = ips.iter().map(|ip| ip.to_string()).collect();
         if let Some(node) = recorder {
-            (status.conditions).retain(|c| c.type_ != whereabouts::cni::keep::RECORDED_BY);
-            (status.conditions).push(whereabouts::cni::keep::recorded_by(node));
+            (status.conditions).retain(|c| c.type_ != whereabouts::crd::claim::RECORDED_BY);
+            (status.conditions).push(whereabouts::crd::claim::recorded_by(node));
         }
         match store.write_ipam_claim_status(&claim, &status).await {
             Ok(whereabouts::store::Write::Done) => Ok(()),
@@ -416,7 +416,7 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
             .cloned()
             .unwrap_or_default();
         (conditions.iter())
-            .filter(|c| c["type"] == whereabouts::cni::keep::RECORDED_BY)
+            .filter(|c| c["type"] == whereabouts::crd::claim::RECORDED_BY)
             .map(|c| c["message"].as_str().unwrap().to_owned())
             .collect::<Vec<_>>()
     };
