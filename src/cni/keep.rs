@@ -178,8 +178,8 @@ pub async fn record<S: Datastore>(
         status.ips = texts.clone();
         status.owner_pod = owner;
         set_condition(&mut status, allocated);
-        // Written now (its transition time is when the record was made: the operator checks
-        // fresh records against their pods).
+        // Written anew: its time says when the record was made (for people; the operator
+        // measures a record's age by the API server's clock).
         if let Some(node) = node {
             status.conditions.retain(|c| c.type_ != RECORDED_BY);
             status.conditions.push(recorded_by(node));

@@ -9,12 +9,14 @@
 //! It is reported, not undone: a pod deleted right after its ADD looks the same as a forged
 //! record, and clearing a claim's addresses would move a VM's address. A record already older than
 //! [`FRESH`] when the operator first sees it (after an outage) is not checked: its pod may be long
-//! gone for honest reasons.
+//! gone for honest reasons. Its age is the API server's (the time of the status's managedFields
+//! entries), never the condition's own time, which the writing node sets and could backdate.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 
 use super::Context;
@@ -35,7 +37,8 @@ pub struct Record {
     pub ips: Vec<String>,
     pub owner_pod: String,
     pub node: String,
-    pub written: String,
+    /// When the claim's status was last written, by the API server's clock.
+    pub written: Option<Timestamp>,
 }
 
 impl Record {
@@ -51,18 +54,24 @@ impl Record {
             ips: status.ips.clone(),
             owner_pod: status.owner_pod.as_ref()?.name.clone(),
             node: recorded.message.clone(),
-            written: recorded.last_transition_time.clone(),
+            written: status_written(c),
         })
     }
 
-    /// Whether it was written less than [`FRESH`] before `now` (a time it does not parse in is
-    /// not).
-    pub fn is_fresh(&self, now: k8s_openapi::jiff::Timestamp) -> bool {
-        let Ok(written) = self.written.parse::<k8s_openapi::jiff::Timestamp>() else {
-            return false;
-        };
-        now.duration_since(written).as_secs_f64() < FRESH.as_secs_f64()
+    /// Whether it was written less than [`FRESH`] before `now` (one of unknown age is not).
+    pub fn is_fresh(&self, now: Timestamp) -> bool {
+        self.written
+            .is_some_and(|w| now.duration_since(w).as_secs_f64() < FRESH.as_secs_f64())
     }
+}
+
+/// When the claim's status was last written, as the API server recorded it: the latest `time` of
+/// the managedFields entries of the status subresource.
+fn status_written(c: &IPAMClaim) -> Option<Timestamp> {
+    (c.metadata.managed_fields.iter().flatten())
+        .filter(|m| m.subresource.as_deref() == Some("status"))
+        .filter_map(|m| m.time.as_ref().map(|t| t.0))
+        .max()
 }
 
 /// What the API server says of a record's owner pod.
@@ -99,7 +108,7 @@ pub async fn check(ctx: &Context, checked: &mut HashSet<Record>) -> Result<usize
         .filter_map(|c| Record::of(c))
         .collect();
     checked.retain(|r| records.contains(r));
-    let now = k8s_openapi::jiff::Timestamp::now();
+    let now = Timestamp::now();
     let mut reported = 0;
     for record in records {
         if checked.contains(&record) || !record.is_fresh(now) {
@@ -167,6 +176,7 @@ async fn report(ctx: &Context, r: &Record, why: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, Time};
 
     fn record() -> Record {
         Record {
@@ -177,8 +187,12 @@ mod tests {
             ips: vec!["10.0.0.5/24".into()],
             owner_pod: "launcher".into(),
             node: "a".into(),
-            written: "2026-12-06T10:00:00Z".into(),
+            written: Some(at("2026-12-06T10:00:00Z")),
         }
+    }
+
+    fn at(t: &str) -> Timestamp {
+        t.parse().unwrap()
     }
 
     #[test]
@@ -223,11 +237,10 @@ mod tests {
     #[test]
     fn only_a_fresh_record_is_checked() {
         let r = record();
-        let at = |t: &str| t.parse::<k8s_openapi::jiff::Timestamp>().unwrap();
         assert!(r.is_fresh(at("2026-12-06T10:09:59Z")));
         assert!(!r.is_fresh(at("2026-12-06T10:10:00Z")));
         let bad = Record {
-            written: "yesterday".into(),
+            written: None,
             ..record()
         };
         assert!(!bad.is_fresh(at("2026-12-06T10:00:01Z")));
@@ -247,9 +260,24 @@ mod tests {
         };
         c.status = Some(status.clone());
         assert_eq!(Record::of(&c), None, "written before records named a node");
-        status.conditions.push(crate::crd::claim::recorded_by("a"));
+        // The condition says 2001: the age is the API server's, from the status's managers.
+        let mut backdated = crate::crd::claim::recorded_by("a");
+        backdated.last_transition_time = "2001-01-01T00:00:00Z".into();
+        status.conditions.push(backdated);
         c.status = Some(status);
+        let entry = |subresource: Option<&str>, t: &str| ManagedFieldsEntry {
+            subresource: subresource.map(Into::into),
+            time: Some(Time(at(t))),
+            ..Default::default()
+        };
+        c.metadata.managed_fields = Some(vec![
+            entry(None, "2026-12-06T11:00:00Z"),
+            entry(Some("status"), "2026-12-06T10:00:00Z"),
+            entry(Some("status"), "2026-12-06T10:05:00Z"),
+        ]);
         let r = Record::of(&c).unwrap();
         assert_eq!((r.node.as_str(), r.owner_pod.as_str()), ("a", "launcher"));
+        assert_eq!(r.written, Some(at("2026-12-06T10:05:00Z")));
+        assert!(r.is_fresh(at("2026-12-06T10:14:00Z")));
     }
 }

@@ -275,10 +275,16 @@ pub fn trim_statefulset(s: &mut StatefulSet) {
     }
 }
 
-/// Keeps only a claim's name and what its status records: the addresses, the owner pod and the
-/// node that wrote them (for [`super::claim_records`]).
+/// Keeps only a claim's name and what its status records: the addresses, the owner pod, the node
+/// that wrote them and when (the status's managedFields times, without their fields), for
+/// [`super::claim_records`].
 pub fn trim_claim(c: &mut IPAMClaim) {
-    c.metadata.managed_fields = None;
+    if let Some(managers) = c.metadata.managed_fields.as_mut() {
+        managers.retain(|m| m.subresource.as_deref() == Some("status"));
+        for m in managers {
+            m.fields_v1 = None;
+        }
+    }
     c.metadata.annotations = None;
     if let Some(status) = c.status.as_mut() {
         (status.conditions).retain(|c| c.type_ == crate::crd::claim::RECORDED_BY);

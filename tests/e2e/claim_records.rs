@@ -38,9 +38,11 @@ fn pod_on(ns: &Ns, name: &str, node: &str, claim: &str) {
 }
 
 /// Writes on claim `name` what a node's ADD records: the address, the owner pod, and `node` in
-/// RecordedBy, now.
+/// RecordedBy. The condition's time is the writer's to set: backdated here, as a forger would, past
+/// the age the operator checks; the record is still checked (its age is the API server's).
 fn record(ns: &Ns, name: &str, ip: &str, pod: &str, node: &str) {
-    let recorded = whereabouts::crd::claim::recorded_by(node);
+    let mut recorded = whereabouts::crd::claim::recorded_by(node);
+    recorded.last_transition_time = "2001-01-01T00:00:00Z".into();
     let patch =
         json!({"status": {"ips": [ip], "ownerPod": {"name": pod}, "conditions": [recorded]}});
     ns.kubectl_ok(&[
