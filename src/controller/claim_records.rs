@@ -15,9 +15,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
-use kube::Api;
 
 use super::Context;
 use crate::crd::IPAMClaim;
@@ -101,17 +100,18 @@ pub fn why_unverified(r: &Record, pod: Option<&OwnerSeen>) -> Option<String> {
     None
 }
 
-/// Checks every fresh record not checked before (`checked`, pruned to the records the cache still
-/// holds). Returns how many were reported.
+/// Checks every fresh record not checked before (`checked`, pruned to the fresh records the cache
+/// still holds: one that went stale is never checked again). Returns how many were reported.
 pub async fn check(ctx: &Context, checked: &mut HashSet<Record>) -> Result<usize, StoreError> {
-    let records: HashSet<Record> = (ctx.caches.claims.state().iter())
-        .filter_map(|c| Record::of(c))
-        .collect();
-    checked.retain(|r| records.contains(r));
     let now = Timestamp::now();
+    let fresh: HashSet<Record> = (ctx.caches.claims.state().iter())
+        .filter_map(|c| Record::of(c))
+        .filter(|r| r.is_fresh(now))
+        .collect();
+    checked.retain(|r| fresh.contains(r));
     let mut reported = 0;
-    for record in records {
-        if checked.contains(&record) || !record.is_fresh(now) {
+    for record in fresh {
+        if checked.contains(&record) {
             continue;
         }
         let pod = owner_now(ctx, &record).await?;
@@ -127,16 +127,7 @@ pub async fn check(ctx: &Context, checked: &mut HashSet<Record>) -> Result<usize
 /// The owner pod as the API server has it now (the pod cache keeps neither the networks
 /// annotation nor, before it lists, the pod).
 async fn owner_now(ctx: &Context, r: &Record) -> Result<Option<OwnerSeen>, StoreError> {
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &r.namespace);
-    let pod = api
-        .get_opt(&r.owner_pod)
-        .await
-        .map_err(|e| StoreError::Api {
-            op: "get",
-            object: format!("pod {}/{}", r.namespace, r.owner_pod),
-            code: 0,
-            message: e.to_string(),
-        })?;
+    let pod = ctx.full_pod_now(&r.namespace, &r.owner_pod).await?;
     Ok(pod.map(|p| {
         let networks = (p.metadata.annotations.as_ref()).and_then(|a| a.get(NETWORKS_ANNOTATION));
         OwnerSeen {
@@ -161,12 +152,8 @@ async fn report(ctx: &Context, r: &Record, why: &str) {
     );
     tracing::warn!(claim = %format!("{}/{}", r.namespace, r.claim), node = %r.node, why, "an IPAMClaim record could not be verified");
     let about = ObjectReference {
-        api_version: Some("k8s.cni.cncf.io/v1alpha1".into()),
-        kind: Some("IPAMClaim".into()),
-        namespace: Some(r.namespace.clone()),
-        name: Some(r.claim.clone()),
         uid: Some(r.uid.clone()).filter(|u| !u.is_empty()),
-        ..Default::default()
+        ..super::holders::ipam_claim_object(&r.namespace, &r.claim)
     };
     ctx.event(&about, true, "ClaimRecordUnverified", &note)
         .await;

@@ -241,26 +241,31 @@ async fn holder_gone(
 /// The StatefulSet or IPAMClaim an entry's release is reported on.
 fn holder_reference(entry: &IPAllocation) -> Option<ObjectReference> {
     let (namespace, _) = entry.podref.split_once('/')?;
-    let (api_version, kind, ns, name) = match Holder::of_entry(entry) {
-        Holder::Pod => return None,
-        Holder::StatefulSet(name) => ("apps/v1", "StatefulSet", namespace.to_owned(), name),
+    match Holder::of_entry(entry) {
+        Holder::Pod => None,
+        Holder::StatefulSet(name) => Some(ObjectReference {
+            api_version: Some("apps/v1".into()),
+            kind: Some("StatefulSet".into()),
+            namespace: Some(namespace.into()),
+            name: Some(name),
+            ..Default::default()
+        }),
         Holder::Claim(claim) => {
             let (ns, name) = claim.split_once('/')?;
-            (
-                "k8s.cni.cncf.io/v1alpha1",
-                "IPAMClaim",
-                ns.to_owned(),
-                name.to_owned(),
-            )
+            Some(ipam_claim_object(ns, name))
         }
-    };
-    Some(ObjectReference {
-        api_version: Some(api_version.into()),
-        kind: Some(kind.into()),
-        namespace: Some(ns),
-        name: Some(name),
+    }
+}
+
+/// IPAMClaim `namespace/name`, as Events about it refer to it.
+pub fn ipam_claim_object(namespace: &str, name: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("k8s.cni.cncf.io/v1alpha1".into()),
+        kind: Some("IPAMClaim".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
         ..Default::default()
-    })
+    }
 }
 
 /// Keeps only what the decisions read of a StatefulSet: its name and replicas.

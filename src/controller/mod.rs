@@ -199,14 +199,17 @@ impl Context {
             return Ok(None);
         };
         let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        api.get_metadata_opt(name)
-            .await
-            .map_err(|e| crate::store::StoreError::Api {
-                op: "get",
-                object: format!("pod {podref}"),
-                code: 0,
-                message: e.to_string(),
-            })
+        (api.get_metadata_opt(name).await).map_err(|e| pod_read_error(podref, e))
+    }
+
+    /// As [`Context::pod_now`], the whole pod (its spec too: the node it is bound to).
+    pub async fn full_pod_now(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Pod>, crate::store::StoreError> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        (api.get_opt(name).await).map_err(|e| pod_read_error(&format!("{namespace}/{name}"), e))
     }
 
     pub async fn pool_event(&self, pool: &str, warning: bool, reason: &str, note: &str) {
@@ -218,6 +221,15 @@ impl Context {
             ..Default::default()
         };
         self.event(&about, warning, reason, note).await;
+    }
+}
+
+fn pod_read_error(podref: &str, e: kube::Error) -> crate::store::StoreError {
+    crate::store::StoreError::Api {
+        op: "get",
+        object: format!("pod {podref}"),
+        code: 0,
+        message: e.to_string(),
     }
 }
 
