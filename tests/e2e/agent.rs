@@ -432,9 +432,7 @@ fn the_agent_serves_requested_and_claimed_addresses() {
         ["10.164.0.2/27"]
     );
     conf.as_object_mut().unwrap().remove("runtimeConfig");
-    let claim = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": "vm.e2e-net", "namespace": ns.name}, "spec": {"network": "e2e-net", "interface": "net1"}});
-    assert!(ns.apply(&claim.to_string()).status.success());
+    ns.create_ipam_claim("vm.e2e-net", "e2e-net");
     let networks = json!([{"name": "e2e-net", "ipam-claim-reference": "vm.e2e-net"}]).to_string();
     let annotations = [("k8s.v1.cni.cncf.io/networks".to_owned(), networks)].into();
     let uid = ns.create_pod("launcher", &annotations);

@@ -9,18 +9,6 @@ use serde_json::{Value, json};
 
 use crate::harness::{Ns, OperatorProcess, eventually};
 
-fn claim(ns: &Ns, name: &str) {
-    let c = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": name, "namespace": ns.name},
-        "spec": {"network": "e2e-net", "interface": "net1"}});
-    let out = ns.apply(&c.to_string());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A pod bound to node `node` (no kubelet runs it) whose element for net1 refers to `claim`.
 fn pod_on(ns: &Ns, name: &str, node: &str, claim: &str) {
     let networks = json!([{"name": "e2e-net", "interface": "net1", "ipam-claim-reference": claim}]);
@@ -73,17 +61,17 @@ fn the_operator_reports_a_claim_record_that_its_owner_pod_does_not_bear_out() {
     let op = OperatorProcess::for_namespace(&ns);
     let (a, b) = (format!("{}-a", ns.name), format!("{}-b", ns.name));
     // Borne out: its pod runs on a, the node the record names, and refers to the claim.
-    claim(&ns, "good.e2e-net");
+    ns.create_ipam_claim("good.e2e-net", "e2e-net");
     pod_on(&ns, "launcher-good", &a, "good.e2e-net");
     record(&ns, "good.e2e-net", "10.171.0.1/24", "launcher-good", &a);
     // Not: a pod that does not exist; a pod on a while the record names b; b's own pod of
     // another claim, named by b as the owner of this one.
-    claim(&ns, "ghost.e2e-net");
+    ns.create_ipam_claim("ghost.e2e-net", "e2e-net");
     record(&ns, "ghost.e2e-net", "10.171.0.2/24", "launcher-ghost", &b);
-    claim(&ns, "moved.e2e-net");
+    ns.create_ipam_claim("moved.e2e-net", "e2e-net");
     pod_on(&ns, "launcher-moved", &a, "moved.e2e-net");
     record(&ns, "moved.e2e-net", "10.171.0.3/24", "launcher-moved", &b);
-    claim(&ns, "stolen.e2e-net");
+    ns.create_ipam_claim("stolen.e2e-net", "e2e-net");
     pod_on(&ns, "launcher-other", &b, "other.e2e-net");
     record(&ns, "stolen.e2e-net", "10.171.0.4/24", "launcher-other", &b);
     let want = [

@@ -160,6 +160,14 @@ impl Ns {
         self.kubectl(&["apply", "-f", "-"], Some(yaml))
     }
 
+    /// Creates IPAMClaim `name` in this namespace for network `network`, interface net1.
+    pub fn create_ipam_claim(&self, name: &str, network: &str) {
+        let claim = serde_json::json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
+            "metadata": {"name": name, "namespace": self.name},
+            "spec": {"network": network, "interface": "net1"}});
+        self.kubectl_ok_stdin(&["create", "-f", "-"], &claim.to_string());
+    }
+
     pub fn get_json(&self, args: &[&str]) -> Option<Value> {
         let mut all = vec!["get"];
         all.extend_from_slice(args);

@@ -294,15 +294,7 @@ fn vm_pod(ns: &Ns, pod: &str, claim: &str) -> String {
 fn an_ipamclaim_keeps_its_addresses_across_pods_until_it_is_deleted() {
     let ns = Ns::new("ipamclaim");
     let _op = OperatorProcess::for_namespace(&ns);
-    let claim = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": "vm1.e2e-net", "namespace": ns.name},
-        "spec": {"network": "e2e-net", "interface": "net1"}});
-    let out = ns.apply(&claim.to_string());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ns.create_ipam_claim("vm1.e2e-net", "e2e-net");
     let conf = with(
         &ns.netconf(
             "1.0.0",

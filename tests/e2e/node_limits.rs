@@ -354,9 +354,7 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
     // IPAMClaims: a's token may record addresses in a claim's status and add more, but not
     // change or remove those it records (the claim's next pod, on any node, is given them).
     for name in ["vm1.net", "probe.net"] {
-        let vm = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-            "metadata": {"name": name}, "spec": {"network": "net", "interface": "net1"}});
-        ns.kubectl_ok_stdin(&["create", "-f", "-"], &vm.to_string());
+        ns.create_ipam_claim(name, "net");
     }
     // (Refused once the API server has loaded the policy: probed on a claim of its own, put back
     // by the admin while a's change still goes through.)
@@ -421,9 +419,7 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
             .collect::<Vec<_>>()
     };
     assert_eq!(recorder_of("vm1.net"), std::slice::from_ref(&a.name));
-    let vm2 = json!({"apiVersion": "k8s.cni.cncf.io/v1alpha1", "kind": "IPAMClaim",
-        "metadata": {"name": "vm2.net"}, "spec": {"network": "net", "interface": "net1"}});
-    ns.kubectl_ok_stdin(&["create", "-f", "-"], &vm2.to_string());
+    ns.create_ipam_claim("vm2.net", "net");
     let forged = ["10.94.0.210/32"];
     let err = claim_status(&a_creds, &ns.name, "vm2.net", &forged, Some(&b.name)).unwrap_err();
     assert!(err.contains("may name only its own node"), "{err}");
