@@ -61,6 +61,21 @@ fn crd_get(plural: &str, answer: Value) -> Call {
     get(format!("{CRDS}/{plural}.whereabouts.cni.cncf.io"), answer)
 }
 
+const IPAMCLAIMS: &str = "ipamclaims.k8s.cni.cncf.io";
+
+/// Our ipamclaims CRD, `status.ownerPod` declared a string (as some ipamclaims releases have it).
+fn ipamclaims_with_owner_pod_a_string() -> Value {
+    let (_, crd) = whereabouts::crd::all()
+        .into_iter()
+        .find(|(file, _)| *file == "ipamclaims.yaml")
+        .unwrap();
+    let mut crd = serde_json::to_value(crd).unwrap();
+    crd["metadata"]["uid"] = json!("uid-ipamclaims");
+    let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    schema["properties"]["status"]["properties"]["ownerPod"] = json!({"type": "string"});
+    crd
+}
+
 /// The path of KNOWN[i] in kube-system.
 fn known_path(i: usize) -> String {
     let known = &KNOWN[i];
@@ -111,6 +126,10 @@ async fn upstreams_crds_and_components_are_reported_with_events_and_gauges() {
         .map(|p| crd_get(p, upstream_crd(p)))
         .collect();
     calls.extend([
+        get(
+            format!("{CRDS}/{IPAMCLAIMS}"),
+            ipamclaims_with_owner_pod_a_string(),
+        ),
         get(known_path(0), ds),
         not_found(known_path(1)),
         get(known_path(2), controller),
@@ -129,6 +148,16 @@ async fn upstreams_crds_and_components_are_reported_with_events_and_gauges() {
         event("default", |b| {
             let name = "overlappingrangeipreservations.whereabouts.cni.cncf.io";
             assert_eq!(b["regarding"]["name"], name);
+        }),
+        event("default", |b| {
+            assert_eq!(b["reason"], "CrdMissingFields");
+            assert_eq!(b["regarding"]["name"], IPAMCLAIMS);
+            let note = b["note"].as_str().unwrap();
+            assert!(
+                note.contains("lacks 1 field(s) whereabouts writes: status.ownerPod.name"),
+                "{note}"
+            );
+            assert!(note.contains("a VM's addresses are not kept"), "{note}");
         }),
         event("kube-system", |b| {
             assert_eq!(b["type"], "Warning");
@@ -153,6 +182,7 @@ async fn upstreams_crds_and_components_are_reported_with_events_and_gauges() {
     assert_eq!(
         metric_lines(&ctx, "whereabouts_crd_fields_missing{"),
         [
+            r#"whereabouts_crd_fields_missing{crd="ipamclaims.k8s.cni.cncf.io"} 1"#,
             r#"whereabouts_crd_fields_missing{crd="ippools.whereabouts.cni.cncf.io"} 6"#,
             r#"whereabouts_crd_fields_missing{crd="nodeslicepools.whereabouts.cni.cncf.io"} 0"#,
             r#"whereabouts_crd_fields_missing{crd="overlappingrangeipreservations.whereabouts.cni.cncf.io"} 4"#,
@@ -174,6 +204,7 @@ async fn upstreams_crds_and_components_are_reported_with_events_and_gauges() {
         [
             "crd-missing-fields",
             "crd-missing-fields",
+            "crd-missing-fields",
             "upstream-component",
             "upstream-component"
         ]
@@ -188,13 +219,17 @@ async fn ours_is_quiet_and_a_forbidden_read_is_skipped() {
     let mut ours = manifest("config/cni/daemonset.yaml", "DaemonSet");
     ours["metadata"]["name"] = json!("whereabouts");
     ours["metadata"]["namespace"] = json!("kube-system");
-    let mut calls: Vec<Call> = whereabouts::crd::all()
+    let (crds, claims) = whereabouts::crd::all()
         .into_iter()
-        .take(PLURALS.len())
+        .partition::<Vec<_>, _>(|(file, _)| *file != "ipamclaims.yaml");
+    let mut calls: Vec<Call> = crds
+        .into_iter()
         .zip(PLURALS)
         .map(|((_, crd), plural)| crd_get(plural, serde_json::to_value(crd).unwrap()))
         .collect();
+    let claims = serde_json::to_value(&claims[0].1).unwrap();
     calls.extend([
+        get(format!("{CRDS}/{IPAMCLAIMS}"), claims),
         get(known_path(0), ours),
         not_found(known_path(1)),
         Call {
@@ -238,6 +273,8 @@ async fn a_dry_run_reports_without_events() {
         .iter()
         .map(|p| crd_get(p, upstream_crd(p)))
         .collect();
+    // No ipamclaims CRD: nothing to report about it.
+    calls.push(not_found(format!("{CRDS}/{IPAMCLAIMS}")));
     calls.push(get(
         known_path(0),
         manifest(

@@ -109,12 +109,23 @@ pub fn crd_message(crd: &str, version: Option<&str>, missing: &[String]) -> Stri
             "customresourcedefinition {crd} is not installed: whereabouts cannot store its objects. Fix: {CRD_FIX}"
         );
     };
-    format!(
+    let lacks = format!(
         "customresourcedefinition {crd} (storage version {version}) lacks {} field(s) whereabouts \
-         writes: {}. The API server drops them from every write, so what they record is lost \
-         (pod UIDs, sticky and claimed addresses, pool status): an older CRD, upstream's? Fix: {CRD_FIX}",
+         writes: {}.",
         missing.len(),
         missing.join(", ")
+    );
+    if crd == schema::OPTIONAL {
+        return format!(
+            "{lacks} The API server refuses or prunes the addresses the plugin records in an \
+             IPAMClaim, so a VM's addresses are not kept: an ipamclaims release that declares \
+             status.ownerPod a string? Fix: {CRD_FIX}; whatever else installs it (OVN-Kubernetes, \
+             KubeVirt's ipam-extensions) must write status.ownerPod as {{name}}"
+        );
+    }
+    format!(
+        "{lacks} The API server drops them from every write, so what they record is lost (pod \
+         UIDs, sticky and claimed addresses, pool status): an older CRD, upstream's? Fix: {CRD_FIX}"
     )
 }
 

@@ -27,6 +27,25 @@ use crate::reinstall::{PLUGIN, held, helm_install, uninstall};
 /// Where upstream's manifests put its objects.
 const UPSTREAM_NS: &str = "kube-system";
 const CRD_IPPOOLS: &str = "ippools.whereabouts.cni.cncf.io";
+const CRD_IPAMCLAIMS: &str = "ipamclaims.k8s.cni.cncf.io";
+
+/// The ipamclaims CRD as some of its releases declare it, `status.ownerPod` a string, applied
+/// over ours: the API server would refuse every claim our plugin records.
+fn apply_ipamclaims_crd_with_owner_pod_a_string() {
+    let (_, crd) = whereabouts::crd::all()
+        .into_iter()
+        .find(|(file, _)| *file == "ipamclaims.yaml")
+        .unwrap();
+    let mut crd = serde_json::to_value(crd).unwrap();
+    let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    schema["properties"]["status"]["properties"]["ownerPod"] = json!({"type": "string"});
+    let out = kubectl(&["apply", "-f", "-"], Some(&crd.to_string()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
 
 /// e2e/upstream-install.sh: upstream's CRDs, DaemonSet and node-slice controller from its module.
 fn install_upstream() {
@@ -455,13 +474,25 @@ fn upstream_is_replaced_in_place_rolled_back_and_replaced_again_with_helm() {
     // The migration again, with Helm. Upstream's install put its CRDs back.
     assert_eq!(audit_kinds(), both, "audit before the second switch");
     // Step 3 before step 2, which Helm users forget (Helm never upgrades a CRD that exists): the
-    // operator says so, and the fix it names works.
+    // operator says so, and the fix it names works. An ipamclaims CRD that another component
+    // installed in an older form too.
+    apply_ipamclaims_crd_with_owner_pod_a_string();
     helm_install();
-    wait_events("default", "CrdMissingFields", &[CRD_IPPOOLS]);
+    wait_events(
+        "default",
+        "CrdMissingFields",
+        &[CRD_IPPOOLS, CRD_IPAMCLAIMS],
+    );
     wait_gauge("whereabouts_crd_fields_missing", CRD_IPPOOLS, |v| v > 0.0);
+    wait_gauge("whereabouts_crd_fields_missing", CRD_IPAMCLAIMS, |v| {
+        v == 1.0
+    });
     let crds = repo().join("charts/whereabouts/crds");
     kubectl_ok(&["apply", "-f", crds.to_str().unwrap()]);
     wait_gauge("whereabouts_crd_fields_missing", CRD_IPPOOLS, |v| v == 0.0);
+    wait_gauge("whereabouts_crd_fields_missing", CRD_IPAMCLAIMS, |v| {
+        v == 0.0
+    });
     upstream_reported(1.0);
     remove_upstream();
     upstream_gone();

@@ -7,6 +7,11 @@
 //!
 //! "Our fields" are read from the CRDs this crate generates (`crd::all`, what `crds/` holds), not
 //! from a list kept by hand: a field added later is checked without anyone remembering to.
+//!
+//! The `ipamclaims` CRD is another project's (KubeVirt's persistent IPs, OVN-Kubernetes), checked
+//! only when it is installed: without it no VM keeps its address, which is no fault. Some of its
+//! releases declare `status.ownerPod` a string where ours writes `{name}`: the API server then
+//! refuses every record the plugin makes, and a VM's address is not kept.
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinition, CustomResourceDefinitionVersion, JSONSchemaProps,
@@ -21,12 +26,15 @@ pub const GROUP: &str = "whereabouts.cni.cncf.io";
 /// (`ippools/status`) are refused, and `status` is pruned from the object besides.
 pub const STATUS_SUBRESOURCE: &str = "subresources.status";
 
-/// Our CRDs of [`GROUP`], as `crds/` ships them, in its order.
+/// The CRD checked only when installed (see the module's comment).
+pub const OPTIONAL: &str = "ipamclaims.k8s.cni.cncf.io";
+
+/// The CRDs checked, as `crds/` ships them, in its order: ours of [`GROUP`], then [`OPTIONAL`].
 pub fn ours() -> Vec<CustomResourceDefinition> {
     crate::crd::all()
         .into_iter()
         .map(|(_, crd)| crd)
-        .filter(|crd| crd.spec.group == GROUP)
+        .filter(|crd| crd.spec.group == GROUP || name_of(crd) == OPTIONAL)
         .collect()
 }
 
@@ -42,18 +50,30 @@ pub struct Gap {
     /// The installed storage version compared with ours; `None` when the CRD is not installed.
     pub version: Option<String>,
     /// The topmost missing path of each missing subtree (`spec.allocations.*.poduid`, `status`;
-    /// `*` is a map's values, `[]` a list's items), and [`STATUS_SUBRESOURCE`].
+    /// `*` is a map's values, `[]` a list's items), and [`STATUS_SUBRESOURCE`]. A field declared
+    /// with no properties where ours has them (a string) is missing each of ours.
     pub missing: Vec<String>,
+    /// Whether not being installed is fine ([`OPTIONAL`]).
+    pub optional: bool,
 }
 
 impl Gap {
     pub fn is_fine(&self) -> bool {
-        self.version.is_some() && self.missing.is_empty()
+        self.missing.is_empty() && (self.version.is_some() || self.optional)
     }
 }
 
 /// Compares our CRD with the installed one (`None`: not installed, everything is missing).
 pub fn gap(ours: &CustomResourceDefinition, installed: Option<&CustomResourceDefinition>) -> Gap {
+    let optional = name_of(ours) == OPTIONAL;
+    if optional && installed.is_none() {
+        return Gap {
+            crd: name_of(ours),
+            version: None,
+            missing: Vec::new(),
+            optional,
+        };
+    }
     let empty = JSONSchemaProps::default();
     let mut missing = Vec::new();
     // Objects are stored in the storage version's schema: what it does not declare is dropped,
@@ -79,6 +99,7 @@ pub fn gap(ours: &CustomResourceDefinition, installed: Option<&CustomResourceDef
         crd: name_of(ours),
         version: installed.map(|_| theirs.map(|v| v.name.clone()).unwrap_or_default()),
         missing,
+        optional,
     }
 }
 
