@@ -4,9 +4,11 @@
 mod mock;
 
 use http::{Method, StatusCode};
+use kube::CustomResourceExt;
 use mock::{Call, any, context_with, event_answer, serve};
 use serde_json::{Value, json};
 use whereabouts::controller::migration::{self, upstream::KNOWN};
+use whereabouts::crd::IPAMClaim;
 
 const CRDS: &str = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions";
 const PLURALS: [&str; 3] = [
@@ -65,11 +67,7 @@ const IPAMCLAIMS: &str = "ipamclaims.k8s.cni.cncf.io";
 
 /// Our ipamclaims CRD, `status.ownerPod` declared a string (as some ipamclaims releases have it).
 fn ipamclaims_with_owner_pod_a_string() -> Value {
-    let (_, crd) = whereabouts::crd::all()
-        .into_iter()
-        .find(|(file, _)| *file == "ipamclaims.yaml")
-        .unwrap();
-    let mut crd = serde_json::to_value(crd).unwrap();
+    let mut crd = serde_json::to_value(IPAMClaim::crd()).unwrap();
     crd["metadata"]["uid"] = json!("uid-ipamclaims");
     let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     schema["properties"]["status"]["properties"]["ownerPod"] = json!({"type": "string"});
@@ -219,15 +217,13 @@ async fn ours_is_quiet_and_a_forbidden_read_is_skipped() {
     let mut ours = manifest("config/cni/daemonset.yaml", "DaemonSet");
     ours["metadata"]["name"] = json!("whereabouts");
     ours["metadata"]["namespace"] = json!("kube-system");
-    let (crds, claims) = whereabouts::crd::all()
+    let mut calls: Vec<Call> = whereabouts::crd::all()
         .into_iter()
-        .partition::<Vec<_>, _>(|(file, _)| *file != "ipamclaims.yaml");
-    let mut calls: Vec<Call> = crds
-        .into_iter()
+        .take(PLURALS.len())
         .zip(PLURALS)
         .map(|((_, crd), plural)| crd_get(plural, serde_json::to_value(crd).unwrap()))
         .collect();
-    let claims = serde_json::to_value(&claims[0].1).unwrap();
+    let claims = serde_json::to_value(IPAMClaim::crd()).unwrap();
     calls.extend([
         get(format!("{CRDS}/{IPAMCLAIMS}"), claims),
         get(known_path(0), ours),

@@ -114,6 +114,11 @@ pub fn kubectl_ok(args: &[&str]) -> String {
     kubectl_checked(&node().kubeconfig, args, None)
 }
 
+/// `kubectl apply` of `yaml` (YAML or JSON; a namespaced object names its namespace).
+pub fn apply_ok(yaml: &str) -> String {
+    kubectl_checked(&node().kubeconfig, &["apply", "-f", "-"], Some(yaml))
+}
+
 pub fn get_json(args: &[&str]) -> Option<Value> {
     let mut all = args.to_vec();
     all.extend(["-o", "json"]);

@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 
 use crate::addresses::check_pods_against_pools;
 use crate::cluster::{
-    OPERATOR_NS, POD_POOL, Workload, events_in, get_json, install_with_kustomize, is_ready,
-    kubectl, kubectl_ok, node, operator_pods, pool_entries, wait_until,
+    OPERATOR_NS, POD_POOL, Workload, apply_ok, events_in, get_json, install_with_kustomize,
+    is_ready, kubectl, kubectl_ok, node, operator_pods, pool_entries, wait_until,
 };
 use crate::harness::{operator_bin, repo};
 use crate::install::release_binary;
@@ -32,19 +32,11 @@ const CRD_IPAMCLAIMS: &str = "ipamclaims.k8s.cni.cncf.io";
 /// The ipamclaims CRD as some of its releases declare it, `status.ownerPod` a string, applied
 /// over ours: the API server would refuse every claim our plugin records.
 fn apply_ipamclaims_crd_with_owner_pod_a_string() {
-    let (_, crd) = whereabouts::crd::all()
-        .into_iter()
-        .find(|(file, _)| *file == "ipamclaims.yaml")
-        .unwrap();
-    let mut crd = serde_json::to_value(crd).unwrap();
+    use kube::CustomResourceExt as _;
+    let mut crd = serde_json::to_value(whereabouts::crd::IPAMClaim::crd()).unwrap();
     let schema = &mut crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
     schema["properties"]["status"]["properties"]["ownerPod"] = json!({"type": "string"});
-    let out = kubectl(&["apply", "-f", "-"], Some(&crd.to_string()));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    apply_ok(&crd.to_string());
 }
 
 /// e2e/upstream-install.sh: upstream's CRDs, DaemonSet and node-slice controller from its module.

@@ -53,25 +53,22 @@ pub struct Gap {
     /// `*` is a map's values, `[]` a list's items), and [`STATUS_SUBRESOURCE`]. A field declared
     /// with no properties where ours has them (a string) is missing each of ours.
     pub missing: Vec<String>,
-    /// Whether not being installed is fine ([`OPTIONAL`]).
-    pub optional: bool,
 }
 
 impl Gap {
+    /// Nothing missing, and installed unless it is [`OPTIONAL`].
     pub fn is_fine(&self) -> bool {
-        self.missing.is_empty() && (self.version.is_some() || self.optional)
+        self.missing.is_empty() && (self.version.is_some() || self.crd == OPTIONAL)
     }
 }
 
 /// Compares our CRD with the installed one (`None`: not installed, everything is missing).
 pub fn gap(ours: &CustomResourceDefinition, installed: Option<&CustomResourceDefinition>) -> Gap {
-    let optional = name_of(ours) == OPTIONAL;
-    if optional && installed.is_none() {
+    if installed.is_none() && name_of(ours) == OPTIONAL {
         return Gap {
             crd: name_of(ours),
             version: None,
             missing: Vec::new(),
-            optional,
         };
     }
     let empty = JSONSchemaProps::default();
@@ -99,7 +96,6 @@ pub fn gap(ours: &CustomResourceDefinition, installed: Option<&CustomResourceDef
         crd: name_of(ours),
         version: installed.map(|_| theirs.map(|v| v.name.clone()).unwrap_or_default()),
         missing,
-        optional,
     }
 }
 
