@@ -186,6 +186,29 @@ async fn a_sweep_that_listed_a_release_before_its_entry_was_taken_again_cannot_r
     );
 }
 
+/// The other side of the test above: an entry taken again with no release announced for it
+/// leaves the pool as it was. In a storm through the agents, writer turns record hundreds of other
+/// ADDs' claims, each of which then takes its entry again; when each of those wrote the pool too,
+/// every other writer's conditional write lost, and 1000 ADDs on 10 nodes ran past their
+/// deadlines (docs/benchmarks.md, "The agents' one-pool storm regressed").
+#[tokio::test]
+async fn an_entry_taken_again_with_no_release_announced_does_not_move_its_pool() {
+    let store = MemoryStore::new();
+    let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
+    let first = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    let first = addresses(&first.unwrap())[0].clone();
+    let before = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+
+    let again = run(&store, Command::Add, &ipam, "c1", "p1").await.unwrap();
+    assert_eq!(addresses(&again.unwrap())[0], first, "the entry is reused");
+    let after = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
+    assert_eq!(
+        after.resource_version, before.resource_version,
+        "taking the entry again wrote the pool, though no release was announced"
+    );
+    assert_eq!(after.allocations, before.allocations);
+}
+
 /// Seen in chaos runs (issue 25): a DEL through the agent removed its entry, and a plain plugin's
 /// writer turn, recording the pool's pending claims from a claims list that still showed the
 /// DEL's reservation, wrote the entry back; the DEL then deleted the reservation and succeeded.

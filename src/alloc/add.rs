@@ -332,20 +332,18 @@ impl<S: Datastore> Engine<'_, S> {
             .ip(offset)
             .filter(|_| self.target.range.is_allocatable(offset));
         let claimed = match ip {
-            Some(ip) if self.target.overlapping => {
-                matches!(self.claim(ip, who, true).await?, Claim::Ours(_))
-            }
-            Some(_) => true,
-            None => false,
+            Some(ip) if self.target.overlapping => self.claim_again(ip, who).await?,
+            Some(_) => Some(false),
+            None => None,
         };
-        if !claimed {
+        let Some(withdrew) = claimed else {
             // Outside today's window, or another pod holds the address's reservation: let it go.
             tracing::warn!(pool = %pool.name, offset = %offset, "not reusing the attachment's old entry");
             self.store
                 .remove_allocation(&pool.name, offset, entry)
                 .await?;
             return Ok(None);
-        }
+        };
         let fresh = who.entry();
         let stale =
             entry.id != fresh.id || (!fresh.poduid.is_empty() && entry.poduid != fresh.poduid);
@@ -354,12 +352,14 @@ impl<S: Datastore> Engine<'_, S> {
                 .replace_allocation(&pool.name, offset, entry, &fresh)
                 .await?
                 == Write::Done
-        } else if self.target.overlapping {
-            // The claim was just renewed, withdrawing a release its container's cut-off DEL may
-            // have announced. A sweep that listed that announcement before would still remove
-            // the entry with a write conditional on the version it read, since taking the same
-            // entry again changes nothing: move the pool on (the version read here showed the
-            // entry), and that write fails and reads the announcements again.
+        } else if withdrew {
+            // The renewal withdrew a release its container's cut-off DEL had announced. A sweep
+            // that listed that announcement before would still remove the entry with a write
+            // conditional on the version it read, since taking the same entry again changes
+            // nothing: move the pool on (the version read here showed the entry), and that
+            // write fails and reads the announcements again. Only then: in a storm, entries
+            // that writer turns recorded for others are taken again by the hundred, and each
+            // needless write of the pool made every other writer's write lose.
             matches!(
                 self.store
                     .touch_pool(&pool.name, &pool.resource_version)

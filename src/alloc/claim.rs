@@ -75,6 +75,29 @@ impl<S: Datastore> Engine<'_, S> {
         Ok(Claim::Race)
     }
 
+    /// Claims `ip` again for an attachment whose entry the pool shows: `None` when it is not
+    /// ours to take, else whether taking it withdrew a release that a cut-off DEL of the
+    /// attachment had announced, which a sweep may have listed (see [`Engine::reuse`]).
+    pub(super) async fn claim_again(
+        &self,
+        ip: IpAddr,
+        who: &Owner,
+    ) -> Result<Option<bool>, StoreError> {
+        let name = self.target.reservation(ip);
+        // Read first: the attachment's own reservation nearly always exists, and its labels at
+        // the version the renewal is conditional on tell whether a release is being withdrawn.
+        if let Some(r) = self.store.get_reservation(&name).await?
+            && who.may_take_over(&r.spec)
+        {
+            let ours = matches!(self.take_over(&name, &r, who).await?, Claim::Ours(_));
+            return Ok(ours.then_some(r.releasing));
+        }
+        // Gone, or another pod's: claim as any writer does. What this replaced is not known
+        // here, so count it as a withdrawn release.
+        let ours = matches!(self.claim(ip, who, true).await?, Claim::Ours(_));
+        Ok(ours.then_some(true))
+    }
+
     /// This pod's interface holds the reservation: ours if under this container; under an
     /// earlier container (a StatefulSet replacement, a sandbox re-created) it is made ours at the
     /// version read, so that the earlier container's DEL, which deletes only the version it saw,

@@ -169,6 +169,8 @@ pub struct Reservation {
     /// The claim bucket of its last claim or renewal ([`CLAIMED_LABEL`]); none on reservations
     /// upstream made, which no claims list shows.
     pub claimed: Option<i64>,
+    /// A DEL has announced its release ([`RELEASING_LABEL`]): a sweep may have listed it.
+    pub releasing: bool,
     pub resource_version: String,
 }
 

@@ -377,18 +377,17 @@ impl Datastore for KubeStore {
         let found = retrying(|| self.reservations.get_opt(name))
             .await
             .map_err(|e| error("get", format!("overlappingrangeipreservation {name}"), e))?;
-        Ok(found.map(|r| Reservation {
-            name: name.to_owned(),
-            uid: r.metadata.uid.unwrap_or_default(),
-            resource_version: r.metadata.resource_version.unwrap_or_default(),
-            created: r.metadata.creation_timestamp.map(|t| t.0.as_second()),
-            claimed: r
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(CLAIMED_LABEL))
-                .and_then(|b| b.parse().ok()),
-            spec: r.spec,
+        Ok(found.map(|r| {
+            let labels = r.metadata.labels.unwrap_or_default();
+            Reservation {
+                name: name.to_owned(),
+                uid: r.metadata.uid.unwrap_or_default(),
+                resource_version: r.metadata.resource_version.unwrap_or_default(),
+                created: r.metadata.creation_timestamp.map(|t| t.0.as_second()),
+                claimed: labels.get(CLAIMED_LABEL).and_then(|b| b.parse().ok()),
+                releasing: labels.contains_key(RELEASING_LABEL),
+                spec: r.spec,
+            }
         }))
     }
 

@@ -261,6 +261,7 @@ impl Datastore for MemoryStore {
                 spec: spec.clone(),
                 created: Some(now),
                 claimed: Some(crate::store::claim_bucket(now)),
+                releasing: false,
                 resource_version: self.next.fetch_add(1, Ordering::Relaxed).to_string(),
             },
         );
@@ -371,7 +372,11 @@ impl Datastore for MemoryStore {
     async fn get_reservation(&self, name: &str) -> Result<Option<Reservation>> {
         self.pause().await;
         self.check("get", name)?;
-        Ok(self.state.lock().unwrap().reservations.get(name).cloned())
+        let s = self.state.lock().unwrap();
+        Ok(s.reservations.get(name).map(|r| Reservation {
+            releasing: s.releasing.contains_key(name),
+            ..r.clone()
+        }))
     }
 
     async fn delete_reservation(
