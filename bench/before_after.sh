@@ -95,12 +95,14 @@ part storms && for rep in $(seq "$runs"); do
   done
 done
 
-# 2b. Many nodes, one network: 10 simulated nodes x 100 ADDs through their agents into node
-# slices (the operator assigns them), each build twice, alternating.
+# 2b. Many nodes, one network: 10 simulated nodes x 100 ADDs through their agents, into node
+# slices (the operator assigns them) and into one pool per range (the default install: where the
+# agents' groups and writer turns contend, and where a regression once went unnoticed because
+# only slices were compared), each build twice, alternating.
 if part nodes; then
-  log "nodes: slices and agents"
-  nodes_args=(--modes ours-slices --nodes 10 --per-node 100)
-  [[ "$quick" == 1 ]] && nodes_args=(--modes ours-slices --nodes 2 --per-node 10)
+  log "nodes: agents with slices and on one pool"
+  nodes_args=(--modes ours-slices,ours-agents --nodes 10 --per-node 100)
+  [[ "$quick" == 1 ]] && nodes_args=(--modes ours-slices,ours-agents --nodes 2 --per-node 10)
   for rev in "$head" "$base" "$head" "$base"; do
     echo "== nodes $rev" >>"$out/nodes.md"
     python3 bench/nodes_bench.py --kubeconfig "$kubeconfig" --keep-cluster "${nodes_args[@]}" \

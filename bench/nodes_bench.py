@@ -1045,6 +1045,40 @@ def run_mode(kube, key, args, workroot, nodes):
 # ----------------------------------------------------------------- nodes
 
 
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu/wa-nodesbench-apiserver")  # cgroup v1 cpu controller
+
+
+def throttle_apiserver(cores):
+    """Holds the API server to `cores` CPUs (a CFS quota), so that a storm can be tried against a
+    control plane slower than this machine's: the one-pool storm of 2026-12-07 collapsed only on
+    a machine about half as fast as usual (docs/benchmarks.md). Needs root and the cgroup v1 cpu
+    controller; the cgroup is removed by release_apiserver."""
+    pid = cb.CLUSTER_PIDS.get("kube-apiserver")
+    if pid is None:
+        raise RuntimeError("--apiserver-cores needs the kube-apiserver's pid (a cluster this "
+                           "benchmark starts, or --kubeconfig from its --state folder)")
+    CPU_CGROUP.mkdir(exist_ok=True)
+    (CPU_CGROUP / "cpu.cfs_period_us").write_text("100000")
+    (CPU_CGROUP / "cpu.cfs_quota_us").write_text(str(int(cores * 100000)))
+    (CPU_CGROUP / "cgroup.procs").write_text(str(pid))
+    log(f"kube-apiserver (pid {pid}) held to {cores} CPU(s) in {CPU_CGROUP}")
+
+
+def release_apiserver():
+    if not CPU_CGROUP.exists():
+        return
+    root = CPU_CGROUP.parent / "cgroup.procs"
+    for pid in (CPU_CGROUP / "cgroup.procs").read_text().split():
+        try:
+            root.write_text(pid)
+        except OSError:
+            pass  # exited meanwhile
+    try:
+        CPU_CGROUP.rmdir()
+    except OSError as e:
+        log(f"could not remove {CPU_CGROUP}: {e}")
+
+
 def ensure_nodes(kube, names):
     """Creates the Node objects (labelled NODE_LABEL=nodes); refuses to touch a node of the same
     name that this script did not create."""
@@ -1203,6 +1237,10 @@ def main():
                          "once the slices are assigned, so it adds no requests or CPU)")
     ap.add_argument("--slice-timeout", type=float, default=60.0,
                     help="wait at most this long (s) for every node's slices (default 60)")
+    ap.add_argument("--apiserver-cores", type=float, default=0.0, metavar="N",
+                    help="hold the kube-apiserver to N CPUs (CFS quota, cgroup v1 cpu "
+                         "controller, root) for the whole run: a slower control plane on "
+                         "demand; 0 (default) leaves it alone")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="deadline per mode from the first spawn, s (default 300)")
     ap.add_argument("--min-free-mb", type=int, default=512,
@@ -1273,6 +1311,8 @@ def main():
                     cb.CLUSTER_PIDS[comp] = int(pidfile.read_text().strip())
         if "kube-apiserver" not in cb.CLUSTER_PIDS:
             log("kube-apiserver's pid unknown (not our e2e/cluster.sh state): no CPU figures")
+        if args.apiserver_cores:
+            throttle_apiserver(args.apiserver_cores)
         kube.run("apply", "-f", str(ROOT / "crds"))
         kube.run("wait", "--for=condition=Established", "--timeout=60s",
                  "crd/ippools.whereabouts.cni.cncf.io",
@@ -1304,6 +1344,8 @@ def main():
         kill_live()
         for p in list(DAEMONS.values()):
             stop_daemon(p)
+        if args.apiserver_cores:
+            release_apiserver()
         if records or failed_modes:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
