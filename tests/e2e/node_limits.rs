@@ -262,14 +262,39 @@ fn a_nodes_credentials_change_only_that_nodes_work() {
         let r = node.run(&ns, "ADD", &ipam, &[pod.into()]);
         assert!(r[0].ok, "{pod}: {:?}", r[0]);
     }
-    // The runtime repeats an ADD of a1's container: the entry is taken again and the pool moved
-    // on (an annotation; see `Engine::reuse`), which the policy lets the node write.
+    // The runtime repeats an ADD of a1's container: the entry is taken again, and with no
+    // release of it announced the pool is left as it was (see `Engine::reuse`).
+    let before = ns.get_json(&["ippool", pool]).unwrap();
+    let again = a.run(&ns, "ADD", &ipam, &["a1".into()]);
+    assert!(again[0].ok, "{:?}", again[0]);
+    let after = ns.get_json(&["ippool", pool]).unwrap();
+    assert_eq!(
+        after["metadata"]["resourceVersion"], before["metadata"]["resourceVersion"],
+        "{after}"
+    );
+    // A DEL of a1's container announced its release and was cut off: the repeated ADD withdraws
+    // the announcement and moves the pool on (an annotation), which the policy lets the node
+    // write.
+    let a1 = format!("{}/a1", ns.name);
+    let (claim, _) = (ns.reservations().into_iter())
+        .find(|(_, spec)| spec["podref"] == a1.as_str())
+        .unwrap();
+    let bucket = whereabouts::store::claim_bucket(whereabouts::store::now_secs());
+    let label = format!("{}={bucket}", whereabouts::store::RELEASING_LABEL);
+    ns.kubectl_ok(&["label", "overlappingrangeipreservation", &claim, &label]);
     let again = a.run(&ns, "ADD", &ipam, &["a1".into()]);
     assert!(again[0].ok, "{:?}", again[0]);
     let touched = ns.get_json(&["ippool", pool]).unwrap();
     assert!(
         touched["metadata"]["annotations"][whereabouts::store::TAKEN_AGAIN_ANNOTATION].is_string(),
         "{touched}"
+    );
+    let withdrawn = ns
+        .get_json(&["overlappingrangeipreservation", &claim])
+        .unwrap();
+    assert!(
+        withdrawn["metadata"]["labels"][whereabouts::store::RELEASING_LABEL].is_null(),
+        "{withdrawn}"
     );
     let entries = ns.allocations(pool);
     let node_of = |pod: &str| {
