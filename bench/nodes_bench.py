@@ -1057,6 +1057,9 @@ def throttle_apiserver(cores):
     if pid is None:
         raise RuntimeError("--apiserver-cores needs the kube-apiserver's pid (a cluster this "
                            "benchmark starts, or --kubeconfig from its --state folder)")
+    if not CPU_CGROUP.parent.is_dir():
+        raise RuntimeError(f"--apiserver-cores {cores}: no cgroup v1 cpu controller at "
+                           f"{CPU_CGROUP.parent} on this machine")
     CPU_CGROUP.mkdir(exist_ok=True)
     (CPU_CGROUP / "cpu.cfs_period_us").write_text("100000")
     (CPU_CGROUP / "cpu.cfs_quota_us").write_text(str(int(cores * 100000)))
@@ -1256,6 +1259,9 @@ def main():
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--render", metavar="RESULTS_JSON", help="print the tables of an earlier run")
     args = ap.parse_args()
+    if args.apiserver_cores < 0 or 0 < args.apiserver_cores < 0.01:
+        ap.error(f"--apiserver-cores {args.apiserver_cores}: want 0 (off) or at least 0.01 CPU "
+                 "(the smallest CFS quota, 1 ms per 100 ms period)")
     if args.render:
         doc = json.loads(Path(args.render).read_text())
         print(markdown(doc["results"], doc.get("failed_modes", [])))

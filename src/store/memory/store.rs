@@ -261,6 +261,7 @@ impl Datastore for MemoryStore {
                 spec: spec.clone(),
                 created: Some(now),
                 claimed: Some(crate::store::claim_bucket(now)),
+                // Kept in `State::releasing`, as labels are; `get_reservation` fills it in.
                 releasing: false,
                 resource_version: self.next.fetch_add(1, Ordering::Relaxed).to_string(),
             },
