@@ -106,6 +106,7 @@ fn the_issue_metric_names_are_all_defined() {
         "whereabouts_agent_queue_depth",
         "whereabouts_agent_group_size",
         "whereabouts_agent_handbacks_total",
+        "whereabouts_agent_held_back_total",
         "whereabouts_agent_requests_total",
         "whereabouts_agent_request_duration_seconds",
     ] {

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::attachments::Held;
 use crate::alloc::{AllocError, Allocate, Allocated, Job, Owner, Target};
 use crate::metrics::agent::AgentMetrics;
 use crate::store::{Datastore, StoreError};
@@ -67,10 +68,13 @@ impl Work {
     }
 }
 
-/// Work in a pool's queue, with the place it holds there.
+/// Work in a pool's queue, with the place it holds there and the mark of its container, which
+/// the worker keeps until the work's group is done, orphan releases included
+/// (see [`super::attachments`]).
 struct Queued {
     work: Work,
     _slot: Slot,
+    held: Option<Arc<Held>>,
 }
 
 /// The bounds of the queues ([`MAX_POOL_QUEUE`], [`MAX_QUEUED`]; tests use small ones).
@@ -212,11 +216,13 @@ impl<S: Datastore + 'static> Batcher<S> {
         })
     }
 
-    /// The allocator of an admitted request: its work uses the places of `ticket`.
-    pub fn admitted(&self, ticket: Ticket) -> Admitted<'_, S> {
+    /// The allocator of an admitted request: its work uses the places of `ticket` and carries
+    /// `held`, the request's mark on its container.
+    pub fn admitted(&self, ticket: Ticket, held: Arc<Held>) -> Admitted<'_, S> {
         Admitted {
             batcher: self,
             ticket,
+            held,
         }
     }
 
@@ -275,11 +281,17 @@ impl<S: Datastore + 'static> Batcher<S> {
         Err("could not queue the request".into())
     }
 
-    async fn submit(&self, job: Job, slot: Slot) -> Result<Allocated, AllocError> {
+    async fn submit(
+        &self,
+        job: Job,
+        slot: Slot,
+        held: Option<Arc<Held>>,
+    ) -> Result<Allocated, AllocError> {
         let (reply, result) = oneshot::channel();
         self.send(Queued {
             work: Work::Allocate(job, reply),
             _slot: slot,
+            held,
         })
         .map_err(AllocError::Agent)?;
         result
@@ -287,12 +299,18 @@ impl<S: Datastore + 'static> Batcher<S> {
             .unwrap_or_else(|_| Err(AllocError::Agent("the pool's worker stopped".into())))
     }
 
-    async fn submit_release(&self, job: Job, slot: Slot) -> Result<Vec<IpAddr>, StoreError> {
+    async fn submit_release(
+        &self,
+        job: Job,
+        slot: Slot,
+        held: Option<Arc<Held>>,
+    ) -> Result<Vec<IpAddr>, StoreError> {
         let (reply, result) = oneshot::channel();
         let pool = job.target.pool.clone();
         self.send(Queued {
             work: Work::Release(job, reply),
             _slot: slot,
+            held,
         })
         .map_err(|m| release_failed(&pool, m))?;
         result
@@ -328,7 +346,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
         let slot = self.admit_one(&target.pool);
         async move {
             let slot = slot.map_err(|e| AllocError::Agent(e.to_string()))?;
-            self.submit(job, slot).await
+            self.submit(job, slot, None).await
         }
     }
 
@@ -342,7 +360,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
         let slot = self.admit_one(&target.pool);
         async move {
             let slot = slot.map_err(|e| release_failed(&job.target.pool, e.to_string()))?;
-            self.submit_release(job, slot).await
+            self.submit_release(job, slot, None).await
         }
     }
 }
@@ -353,6 +371,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
 pub struct Admitted<'a, S> {
     batcher: &'a Batcher<S>,
     ticket: Ticket,
+    held: Arc<Held>,
 }
 
 impl<S: Datastore + 'static> Admitted<'_, S> {
@@ -372,7 +391,8 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         who: &Owner,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
         let slot = self.slot(&target.pool);
-        self.batcher.submit(Job::new(target, who), slot)
+        let held = Some(self.held.clone());
+        self.batcher.submit(Job::new(target, who), slot, held)
     }
 
     fn release(
@@ -382,7 +402,9 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         who: &Owner,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
         let slot = self.slot(&target.pool);
-        self.batcher.submit_release(Job::new(target, who), slot)
+        let held = Some(self.held.clone());
+        self.batcher
+            .submit_release(Job::new(target, who), slot, held)
     }
 }
 

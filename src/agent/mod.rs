@@ -6,8 +6,10 @@
 //! read, one claims list, one write; [`crate::alloc::group`]). The plugin hands its request to the
 //! agent over a Unix socket when one listens at `agent_socket`, and runs it itself otherwise (no
 //! agent deployed, agent restarting, another kubeconfig, caller not root), so the agent is never
-//! needed for correctness, only for speed.
+//! needed for correctness, only for speed. What it must not do is hand back a request that could
+//! overtake its own unfinished work for the same container ([`attachments`]).
 
+pub mod attachments;
 pub mod batch;
 pub mod health;
 pub mod server;

@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Semaphore;
 
+use super::attachments::Attachments;
 use super::batch::{Batcher, Limits};
 use crate::cni::handoff::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
 use crate::cni::protocol::{CniError, Code, Command};
@@ -74,6 +75,8 @@ pub struct Agent<S> {
     /// Callers other than root and this agent's own user run their requests themselves.
     own_uid: u32,
     in_flight: Arc<Semaphore>,
+    /// Containers with ADD or DEL work here: never handed back while it runs.
+    attachments: Attachments,
     metrics: Arc<AgentMetrics>,
 }
 
@@ -112,6 +115,7 @@ impl<S: Datastore + 'static> Agent<S> {
             serves_kubeconfig,
             own_uid,
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            attachments: Attachments::default(),
             metrics,
         }
     }
@@ -125,6 +129,30 @@ impl<S: Datastore + 'static> Agent<S> {
     fn hand_back(&self, why: HandBack, reason: String) -> AgentReply {
         self.metrics.record_handback(why.label());
         AgentReply::Direct { reason }
+    }
+
+    /// [`Agent::hand_back`], unless earlier work of `container` is still here: run in the
+    /// plugin, the request could overtake it (see [`super::attachments`]), so it is answered
+    /// "try again later", and the runtime's retry finds the agent done or queues behind it.
+    fn hand_back_or_hold(&self, container: &str, why: HandBack, reason: String) -> AgentReply {
+        if !self.attachments.busy(container) {
+            return self.hand_back(why, reason);
+        }
+        self.metrics.held_back.inc();
+        tracing::info!(%container, %reason, "not handed back: earlier work of its container is still here");
+        CniError::new(
+            Code::TryAgainLater,
+            format!(
+                "the node agent still works on an earlier request of container {container}, \
+                 and cannot take this one now ({reason}); try again later"
+            ),
+        )
+        .into()
+    }
+
+    /// Containers with ADD or DEL work in this agent.
+    pub fn attachments(&self) -> &Attachments {
+        &self.attachments
     }
 
     /// The allocator, for its queue depths (`whereabouts_agent_queue_depth`).
@@ -184,7 +212,8 @@ impl<S: Datastore + 'static> Agent<S> {
                     unreadable(&e)
                 }
             },
-            Err(_) => self.hand_back(
+            Err(_) => self.hand_back_or_hold(
+                request.as_ref().map_or("", |r| container_of(r)),
                 HandBack::Busy,
                 format!("agent busy: {MAX_IN_FLIGHT} requests in flight"),
             ),
@@ -247,10 +276,14 @@ impl<S: Datastore + 'static> Agent<S> {
                     super::batch::QueueFull::Pool { .. } => HandBack::PoolQueueFull,
                     super::batch::QueueFull::Total { .. } => HandBack::TotalQueueFull,
                 };
-                return self.hand_back(why, full.to_string());
+                let container = &req.attachment.container_id;
+                return self.hand_back_or_hold(container, why, full.to_string());
             }
         };
-        let alloc = self.batcher.admitted(ticket);
+        // Held until this request and every piece of work it queued are done, rollback and
+        // the worker's orphan releases included.
+        let held = self.attachments.hold(&req.attachment.container_id);
+        let alloc = self.batcher.admitted(ticket, held);
         let result = cni::handle_within(&*self.store, &alloc, &req, Duration::ZERO).await;
         tracing::info!(
             command = ?req.command,
@@ -267,6 +300,15 @@ impl<S: Datastore + 'static> Agent<S> {
             Err(e) => e.into(),
         }
     }
+}
+
+/// The container a request is for, as the runtime named it (`CNI_CONTAINERID`), before the
+/// request is validated.
+fn container_of(request: &AgentRequest) -> &str {
+    request
+        .env
+        .get("CNI_CONTAINERID")
+        .map_or("", String::as_str)
 }
 
 /// The `command` label of a request: its `CNI_COMMAND`, from a fixed set.

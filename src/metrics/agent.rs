@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use prometheus::core::Collector;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 use super::{build_info, names, register, register_collector, render};
 
@@ -19,6 +21,7 @@ pub struct AgentMetrics {
     pub requests: IntCounterVec,
     pub request_duration: HistogramVec,
     pub handbacks: IntCounterVec,
+    pub held_back: IntCounter,
     pub group_size: HistogramVec,
     pub build_info: IntGaugeVec,
 }
@@ -37,6 +40,7 @@ impl AgentMetrics {
             requests: register(&r, IntCounterVec::new(Opts::new("whereabouts_agent_requests_total", "Requests the node agent answered, by command (add, del, check, gc, status, version, unknown) and result (ok, error, handback)."), &["command", "result"]).unwrap()),
             request_duration: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_agent_request_duration_seconds", "Time from reading a request to answering it, hand-backs included.").buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]), &["command"]).unwrap()),
             handbacks: register(&r, IntCounterVec::new(Opts::new("whereabouts_agent_handbacks_total", "Requests the node agent handed back to the plugin to run itself, by reason."), &["reason"]).unwrap()),
+            held_back: register(&r, IntCounter::new("whereabouts_agent_held_back_total", "Requests answered 'try again later' (CNI code 11) instead of being handed back, because earlier work of their container was still in the node agent.").unwrap()),
             // A group is at most 500 (MAX_GROUP in agent::batch).
             group_size: register(&r, HistogramVec::new(HistogramOpts::new("whereabouts_agent_group_size", "Requests per group the node agent wrote to a pool, by kind (add, del).").buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0]), &["kind"]).unwrap()),
             build_info: build_info(&r),
@@ -51,6 +55,7 @@ impl AgentMetrics {
             &self.request_duration,
             &self.handbacks,
             &self.group_size,
+            &self.held_back,
         ]);
         names.push(QUEUE_DEPTH.to_owned());
         names

@@ -6,13 +6,15 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::{IDLE, KNOWN_FOR, MAX_GROUP, Queued, Released, Reply, Work};
+use crate::agent::attachments::Held;
 use crate::alloc::Job;
 use crate::alloc::group::{allocate_group_from, release_group};
 use crate::metrics::agent::AgentMetrics;
 use crate::store::{Datastore, Pool};
 
-/// The releases and allocations of one group, each with the reply it owes.
-type Group = (Vec<(Job, Reply)>, Vec<(Job, Released)>);
+/// The releases and allocations of one group, each with the reply it owes, and the marks of
+/// their containers, kept until the group is done.
+type Group = (Vec<(Job, Reply)>, Vec<(Job, Released)>, Vec<Arc<Held>>);
 
 /// One pool's worker and what it carries from one group to the next.
 struct Worker<S> {
@@ -42,7 +44,9 @@ pub(super) async fn worker<S: Datastore>(
         carried: None,
     };
     while let Some(queued) = worker.take().await {
-        let (adds, dels) = split(queued);
+        // `_held` lives to the end of the group: until then a retry of one of its containers
+        // is not handed back to run beside what the group may still write or release.
+        let (adds, dels, _held) = split(queued);
         let started = tokio::time::Instant::now();
         if !dels.is_empty() {
             // Releases first: the addresses they free are there for the allocations.
@@ -151,7 +155,9 @@ impl<S: Datastore> Worker<S> {
 /// first), without the requests that stopped waiting.
 fn split(queued: Vec<Queued>) -> Group {
     // Taken into the group: the places in the queue are free for the next requests.
-    let mut queued: Vec<Work> = queued.into_iter().map(|q| q.work).collect();
+    let (mut queued, held): (Vec<Work>, Vec<_>) =
+        queued.into_iter().map(|q| (q.work, q.held)).unzip();
+    let held = held.into_iter().flatten().collect();
     // A request that ran out of time meanwhile has rolled back: it must take nothing.
     queued.retain(|w| !w.abandoned());
     let (mut adds, mut dels) = (Vec::new(), Vec::new());
@@ -161,7 +167,7 @@ fn split(queued: Vec<Queued>) -> Group {
             Work::Release(job, reply) => dels.push((job, reply)),
         }
     }
-    (adds, dels)
+    (adds, dels, held)
 }
 
 /// Whether `next` releases an interface that an allocation already in `queued` is for.

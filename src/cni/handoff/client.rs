@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::{AgentReply, AgentRequest, MAX_REQUEST_BYTES};
 use crate::cni::protocol::{CniError, Code};
 
-/// How long connecting may take before the plugin runs the request itself.
+/// How long connecting may take: an agent that does not accept by then is busy (code 11).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long writing the request may take (it is a few kilobytes into a local socket).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -29,6 +29,17 @@ pub fn call(
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
             tracing::warn!(socket = %socket.display(), error = %e, "not a node agent; running the request here");
             return Ok(None);
+        }
+        Err(e) if busy(&e) => {
+            // An agent listens but has not accepted: it may still hold work of this container
+            // (an earlier attempt whose requester gave up), which a run here could overtake.
+            return Err(CniError::new(
+                Code::TryAgainLater,
+                format!(
+                    "node agent at {}: does not accept connections ({e}); try again later",
+                    socket.display()
+                ),
+            ));
         }
         Err(e) => {
             tracing::debug!(socket = %socket.display(), error = %e, "no node agent; running the request here");
@@ -84,8 +95,18 @@ fn check_peer(peer: u32, own: u32) -> std::io::Result<()> {
     ))
 }
 
+/// Whether connecting failed because an agent listens but does not accept: its backlog is full
+/// (`EAGAIN`) or the connection did not complete in [`CONNECT_TIMEOUT`]. Anything else (no
+/// socket, a socket nobody listens on) means no agent.
+fn busy(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
+}
+
 /// Connects without blocking on an agent that does not accept (a full backlog would block a
-/// plain connect for good): an agent that cannot take the connection at once is not used.
+/// plain connect for good): such an agent is told apart by [`busy`].
 fn connect(socket: &Path) -> std::io::Result<UnixStream> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -105,6 +126,44 @@ fn connect(socket: &Path) -> std::io::Result<UnixStream> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An agent whose backlog is full is busy, not absent: the plugin must not run the request
+    /// itself beside work the agent may still hold for the same container.
+    #[test]
+    fn an_agent_that_does_not_accept_is_not_taken_for_no_agent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let request = AgentRequest {
+            env: Default::default(),
+            stdin: "{}".into(),
+            flat_file: None,
+        };
+        // Nothing there: run here.
+        assert_eq!(call(&path, &request, Duration::from_secs(1)).unwrap(), None);
+        // A listener that never accepts, its backlog of one filled.
+        let listener = rustix_listen(&path);
+        let mut queued = 0;
+        let refused = loop {
+            match call(&path, &request, Duration::from_millis(10)) {
+                Err(e) if e.msg.contains("does not accept connections") => break e,
+                // Queued, never answered ("no answer"): it fills the backlog.
+                Err(_) => queued += 1,
+                Ok(other) => panic!("ran here beside a listening agent: {other:?}"),
+            }
+            assert!(queued < 64, "the backlog never filled");
+        };
+        assert_eq!(refused.code, Code::TryAgainLater);
+        drop(listener);
+    }
+
+    /// A Unix listener that accepts nothing and queues at most one connection.
+    fn rustix_listen(path: &Path) -> rustix::fd::OwnedFd {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketType, bind, listen, socket};
+        let fd = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+        bind(&fd, &SocketAddrUnix::new(path).unwrap()).unwrap();
+        listen(&fd, 0).unwrap();
+        fd
+    }
 
     #[test]
     fn only_root_or_ourselves_is_an_agent() {
