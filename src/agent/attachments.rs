@@ -12,6 +12,13 @@
 //! a request for a container with work here is never handed back: it queues like any other, and
 //! when it cannot, it is answered "try again later" (code 11).
 //!
+//! Who holds the mark: the request while it runs (its rollback included), and the pool's worker
+//! for each piece of work from the moment it takes it into a group until the group, orphan
+//! releases included, is done. Work still queued holds none: if its requester has gone, the
+//! worker drops it unrun, so it cannot overtake anything. The worker takes its hold before it
+//! looks whether the requester has gone, and the requester lets go of the reply before its
+//! hold, so the container never goes unmarked while the work may still run.
+//!
 //! Keyed by container alone: a release matches an entry without an interface to any interface of
 //! its container (`Owned::same_attachment`), and a runtime runs one container's interfaces one
 //! after the other, so nothing waits that would not have waited anyway.
@@ -28,14 +35,21 @@ impl Attachments {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Marks `container` as having work here until the returned hold, and every clone of it,
-    /// is dropped: the request keeps one, each piece of work it queues keeps another.
-    pub fn hold(&self, container: &str) -> Arc<Held> {
+    /// Marks `container` as having work here until the returned hold is dropped.
+    pub fn hold(&self, container: &str) -> Held {
         *self.lock().entry(container.to_owned()).or_default() += 1;
-        Arc::new(Held {
+        Held {
             set: self.clone(),
             container: container.to_owned(),
-        })
+        }
+    }
+
+    /// What lets the worker mark `container` when it takes a request's work into a group.
+    pub fn marker(&self, container: &str) -> Marker {
+        Marker {
+            set: self.clone(),
+            container: container.to_owned(),
+        }
     }
 
     /// Whether work for `container` is in the agent (queued, in a group, or being rolled back).
@@ -53,7 +67,20 @@ impl Attachments {
     }
 }
 
-/// One request's mark on its container; dropping the last clone removes it.
+/// A container's mark for the work of one request, taken by the worker with [`Marker::hold`].
+#[derive(Clone)]
+pub struct Marker {
+    set: Attachments,
+    container: String,
+}
+
+impl Marker {
+    pub fn hold(&self) -> Held {
+        self.set.hold(&self.container)
+    }
+}
+
+/// One mark on a container; the container is free once every mark on it is dropped.
 pub struct Held {
     set: Attachments,
     container: String,
@@ -80,13 +107,11 @@ mod tests {
         let set = Attachments::default();
         assert!(!set.busy("c1"));
         let first = set.hold("c1");
-        let copy = first.clone();
-        let second = set.hold("c1");
+        let by_worker = set.marker("c1").hold();
         assert!(set.busy("c1") && !set.busy("c2"));
         drop(first);
-        drop(second);
-        assert!(set.busy("c1"), "a clone still held by queued work");
-        drop(copy);
+        assert!(set.busy("c1"), "the worker's hold remains");
+        drop(by_worker);
         assert!(!set.busy("c1"));
         assert!(set.is_empty());
         let _empty = set.hold("");

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::attachments::Held;
+use super::attachments::Marker;
 use crate::alloc::{AllocError, Allocate, Allocated, Job, Owner, Target};
 use crate::metrics::agent::AgentMetrics;
 use crate::store::{Datastore, StoreError};
@@ -68,13 +68,12 @@ impl Work {
     }
 }
 
-/// Work in a pool's queue, with the place it holds there and the mark of its container, which
-/// the worker keeps until the work's group is done, orphan releases included
-/// (see [`super::attachments`]).
+/// Work in a pool's queue, with the place it holds there and what marks its container once the
+/// worker takes it into a group (see [`super::attachments`]).
 struct Queued {
     work: Work,
     _slot: Slot,
-    held: Option<Arc<Held>>,
+    marker: Option<Marker>,
 }
 
 /// The bounds of the queues ([`MAX_POOL_QUEUE`], [`MAX_QUEUED`]; tests use small ones).
@@ -216,13 +215,13 @@ impl<S: Datastore + 'static> Batcher<S> {
         })
     }
 
-    /// The allocator of an admitted request: its work uses the places of `ticket` and carries
-    /// `held`, the request's mark on its container.
-    pub fn admitted(&self, ticket: Ticket, held: Arc<Held>) -> Admitted<'_, S> {
+    /// The allocator of an admitted request: its work uses the places of `ticket`, and the
+    /// worker marks its container with `marker` while the work runs.
+    pub fn admitted(&self, ticket: Ticket, marker: Marker) -> Admitted<'_, S> {
         Admitted {
             batcher: self,
             ticket,
-            held,
+            marker,
         }
     }
 
@@ -285,13 +284,13 @@ impl<S: Datastore + 'static> Batcher<S> {
         &self,
         job: Job,
         slot: Slot,
-        held: Option<Arc<Held>>,
+        marker: Option<Marker>,
     ) -> Result<Allocated, AllocError> {
         let (reply, result) = oneshot::channel();
         self.send(Queued {
             work: Work::Allocate(job, reply),
             _slot: slot,
-            held,
+            marker,
         })
         .map_err(AllocError::Agent)?;
         result
@@ -303,14 +302,14 @@ impl<S: Datastore + 'static> Batcher<S> {
         &self,
         job: Job,
         slot: Slot,
-        held: Option<Arc<Held>>,
+        marker: Option<Marker>,
     ) -> Result<Vec<IpAddr>, StoreError> {
         let (reply, result) = oneshot::channel();
         let pool = job.target.pool.clone();
         self.send(Queued {
             work: Work::Release(job, reply),
             _slot: slot,
-            held,
+            marker,
         })
         .map_err(|m| release_failed(&pool, m))?;
         result
@@ -371,7 +370,7 @@ impl<S: Datastore + 'static> Allocate<S> for Batcher<S> {
 pub struct Admitted<'a, S> {
     batcher: &'a Batcher<S>,
     ticket: Ticket,
-    held: Arc<Held>,
+    marker: Marker,
 }
 
 impl<S: Datastore + 'static> Admitted<'_, S> {
@@ -391,8 +390,8 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         who: &Owner,
     ) -> impl Future<Output = Result<Allocated, AllocError>> + Send {
         let slot = self.slot(&target.pool);
-        let held = Some(self.held.clone());
-        self.batcher.submit(Job::new(target, who), slot, held)
+        let marker = Some(self.marker.clone());
+        self.batcher.submit(Job::new(target, who), slot, marker)
     }
 
     fn release(
@@ -402,9 +401,9 @@ impl<S: Datastore + 'static> Allocate<S> for Admitted<'_, S> {
         who: &Owner,
     ) -> impl Future<Output = Result<Vec<IpAddr>, StoreError>> + Send {
         let slot = self.slot(&target.pool);
-        let held = Some(self.held.clone());
+        let marker = Some(self.marker.clone());
         self.batcher
-            .submit_release(Job::new(target, who), slot, held)
+            .submit_release(Job::new(target, who), slot, marker)
     }
 }
 

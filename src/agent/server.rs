@@ -5,6 +5,7 @@ use std::io;
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -42,16 +43,19 @@ pub enum HandBack {
     CallerNotServed,
     /// A request this agent cannot read (a plugin of another version).
     UnreadableRequest,
+    /// The agent is draining after SIGTERM.
+    ShuttingDown,
 }
 
 impl HandBack {
-    pub const ALL: [HandBack; 6] = [
+    pub const ALL: [HandBack; 7] = [
         HandBack::PoolQueueFull,
         HandBack::TotalQueueFull,
         HandBack::Busy,
         HandBack::OtherKubeconfig,
         HandBack::CallerNotServed,
         HandBack::UnreadableRequest,
+        HandBack::ShuttingDown,
     ];
 
     pub fn label(self) -> &'static str {
@@ -62,6 +66,7 @@ impl HandBack {
             HandBack::OtherKubeconfig => "other_kubeconfig",
             HandBack::CallerNotServed => "caller_not_served",
             HandBack::UnreadableRequest => "unreadable_request",
+            HandBack::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -77,6 +82,8 @@ pub struct Agent<S> {
     in_flight: Arc<Semaphore>,
     /// Containers with ADD or DEL work here: never handed back while it runs.
     attachments: Attachments,
+    /// Set once shutdown began: new requests are handed back ([`Agent::serve`]).
+    draining: AtomicBool,
     metrics: Arc<AgentMetrics>,
 }
 
@@ -116,6 +123,7 @@ impl<S: Datastore + 'static> Agent<S> {
             own_uid,
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
             attachments: Attachments::default(),
+            draining: AtomicBool::new(false),
             metrics,
         }
     }
@@ -160,18 +168,45 @@ impl<S: Datastore + 'static> Agent<S> {
         &self.batcher
     }
 
-    /// Serves connections until `shutdown` resolves, then waits up to `grace` for requests in
-    /// flight.
+    /// Serves connections until `shutdown` resolves, then drains for up to `grace`: every new
+    /// request is handed back, except one of a container whose earlier work is still here
+    /// (code 11, [`super::attachments`]), until that work and the requests in flight are done.
+    /// The caller removes the socket after that, not before: with no socket, a retry would run
+    /// in the plugin beside the work still here.
     pub async fn serve(
         self: Arc<Self>,
         listener: UnixListener,
         shutdown: impl Future<Output = ()>,
         grace: Duration,
     ) {
-        tokio::pin!(shutdown);
+        self.accept_until(&listener, shutdown).await;
+        self.draining.store(true, Ordering::SeqCst);
+        let drained = async {
+            while !self.drained() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        if tokio::time::timeout(grace, self.accept_until(&listener, drained))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                containers = self.attachments.len(),
+                "work still in flight at shutdown; its plugins will report a retryable error"
+            );
+        }
+    }
+
+    /// Accepts connections, each served on a task of its own, until `until` resolves.
+    async fn accept_until(
+        self: &Arc<Self>,
+        listener: &UnixListener,
+        until: impl Future<Output = ()>,
+    ) {
+        tokio::pin!(until);
         loop {
             tokio::select! {
-                _ = &mut shutdown => break,
+                _ = &mut until => return,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let agent = self.clone();
@@ -184,16 +219,12 @@ impl<S: Datastore + 'static> Agent<S> {
                 },
             }
         }
-        drop(listener);
-        let all = MAX_IN_FLIGHT as u32;
-        if tokio::time::timeout(grace, self.in_flight.acquire_many(all))
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "requests still in flight at shutdown; their plugins will report a retryable error"
-            );
-        }
+    }
+
+    /// Whether nothing is at work: no request being served, no queued or grouped work (the
+    /// work of requesters that gave up included).
+    fn drained(&self) -> bool {
+        self.in_flight.available_permits() == MAX_IN_FLIGHT && self.attachments.is_empty()
     }
 
     async fn connection(&self, mut stream: UnixStream) {
@@ -203,9 +234,19 @@ impl<S: Datastore + 'static> Agent<S> {
         let started = Instant::now();
         let command = request.as_ref().map_or("unknown", command_label);
         let reply = match self.in_flight.clone().try_acquire_owned() {
+            Ok(_permit) if self.draining.load(Ordering::SeqCst) => self.hand_back_or_hold(
+                request.as_ref().map_or("", |r| container_of(r)),
+                HandBack::ShuttingDown,
+                "the node agent is shutting down".into(),
+            ),
             Ok(_permit) => match (self.caller(&stream), request) {
                 (Some(direct), _) => direct,
                 (None, Ok(request)) => self.run(request).await,
+                // Not all of it arrived in time (a plugin starved of CPU in a storm): whose it
+                // is cannot be told, so it may have work here, and it must not run in the plugin.
+                (None, Err(e)) if e.code == Code::IoFailure => {
+                    CniError::new(Code::TryAgainLater, format!("{}; try again later", e.msg)).into()
+                }
                 (None, Err(e)) => {
                     self.metrics
                         .record_handback(HandBack::UnreadableRequest.label());
@@ -280,10 +321,13 @@ impl<S: Datastore + 'static> Agent<S> {
                 return self.hand_back_or_hold(container, why, full.to_string());
             }
         };
-        // Held until this request and every piece of work it queued are done, rollback and
-        // the worker's orphan releases included.
-        let held = self.attachments.hold(&req.attachment.container_id);
-        let alloc = self.batcher.admitted(ticket, held);
+        // Marked while this request runs (its rollback included), and by the worker while its
+        // work is in a group (orphan releases included).
+        let container = &req.attachment.container_id;
+        let _mark = self.attachments.hold(container);
+        let alloc = self
+            .batcher
+            .admitted(ticket, self.attachments.marker(container));
         let result = cni::handle_within(&*self.store, &alloc, &req, Duration::ZERO).await;
         tracing::info!(
             command = ?req.command,

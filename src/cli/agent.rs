@@ -122,15 +122,16 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     tokio::spawn(serve_admin(admin_listener, health.clone(), metrics));
     let probes = health.clone();
     tokio::spawn(async move { probes.probe_forever().await });
-    let socket = args.socket.clone();
     let shutdown = async move {
         signal().await;
-        // New requests go direct at once; those in flight finish.
         health.set_bound(false);
-        unbind(&socket);
         tracing::info!("shutting down");
     };
+    // New requests are handed back at once, those of containers with work here wait for it;
+    // the socket goes only when that work is done (or the grace is over).
     agent.serve(listener, shutdown, args.grace).await;
+    unbind(&args.socket);
+    tracing::info!(socket = %args.socket.display(), "socket removed");
     Ok(())
 }
 

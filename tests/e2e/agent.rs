@@ -307,6 +307,79 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
     eprintln!("{} of 120 ADDs were cut off by the kills", failed.len());
 }
 
+/// SIGTERM while ADDs are in the agent's hands (a DaemonSet rolling update): the agent finishes
+/// them and hands back what arrives meanwhile, removes its socket only after that (so that no
+/// request runs in a plugin beside work still in the agent), and exits 0. Every ADD succeeds or
+/// asks to be retried; after the retries every pod holds one address, none twice, no claim left.
+#[test]
+fn an_agent_stopped_mid_burst_drains_before_its_socket_goes() {
+    let ns = Ns::new("agentterm");
+    let dir = tempfile::tempdir().unwrap();
+    let own = ns.kubeconfig.to_str().unwrap().to_owned();
+    let mut agent = Agent::start(&ns, dir.path(), &own);
+    let conf = netconf(
+        &ns,
+        dir.path(),
+        json!({"range": "10.43.0.0/24"}),
+        &own,
+        &agent.socket,
+    );
+    let mut children = ns.cni_spawn_pods("ADD", &conf, 0..100);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.served() == 0 {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    signal(agent.child.id(), "-TERM");
+    children.extend(ns.cni_spawn_pods("ADD", &conf, 100..120));
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = agent.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "still running: {}", agent.log());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = agent.log();
+    assert!(status.success(), "{status}: {log}");
+    assert!(!agent.socket.exists(), "the socket goes with the agent");
+    let (stop, removed) = (
+        log.find("shutting down").expect("SIGTERM seen"),
+        log.find("socket removed").expect("socket removed at exit"),
+    );
+    assert!(
+        log[stop..removed].contains(" served "),
+        "work in flight at SIGTERM was finished before the socket went: {log}"
+    );
+    assert!(!log[removed..].contains(" served "), "{log}");
+
+    let mut retried = 0;
+    for (i, c) in children.into_iter().enumerate() {
+        let r = Cni::from(c.wait_with_output().unwrap());
+        if r.ok {
+            continue;
+        }
+        assert_eq!(r.stdout["code"], 11, "retryable: {}", r.stdout);
+        let (pod, uid) = (format!("pod{i}"), format!("uid-pod{i}"));
+        assert!(
+            ns.cni("DEL", &conf, &format!("c{i}"), "net1", &pod, &uid)
+                .ok
+        );
+        let r = ns.cni("ADD", &conf, &format!("c{i}-retry"), "net1", &pod, &uid);
+        assert!(r.ok, "{r:?}");
+        retried += 1;
+    }
+    let pool = ns.allocations("10.43.0.0-24");
+    let pods: BTreeSet<String> = pool.values().map(|e| e["podref"].to_string()).collect();
+    assert_eq!(
+        (pool.len(), pods.len()),
+        (120, 120),
+        "one entry per pod: {pool:?}"
+    );
+    assert_eq!(ns.reservations().len(), 120, "no claim left over");
+    eprintln!("{retried} of 120 ADDs were retried");
+}
+
 /// Bad input on the socket is handed back with a reason naming the problem (the agent runs
 /// nothing it cannot read); an invalid config gets the plugin's CNI error; callers other than
 /// root are handed back to run their request themselves; the agent keeps serving.

@@ -14,7 +14,7 @@ use crate::store::{Datastore, Pool};
 
 /// The releases and allocations of one group, each with the reply it owes, and the marks of
 /// their containers, kept until the group is done.
-type Group = (Vec<(Job, Reply)>, Vec<(Job, Released)>, Vec<Arc<Held>>);
+type Group = (Vec<(Job, Reply)>, Vec<(Job, Released)>, Vec<Held>);
 
 /// One pool's worker and what it carries from one group to the next.
 struct Worker<S> {
@@ -154,14 +154,19 @@ impl<S: Datastore> Worker<S> {
 /// A group taken in, split into its allocations and its releases (so that the releases can run
 /// first), without the requests that stopped waiting.
 fn split(queued: Vec<Queued>) -> Group {
+    let (mut taken, mut held) = (Vec::new(), Vec::new());
     // Taken into the group: the places in the queue are free for the next requests.
-    let (mut queued, held): (Vec<Work>, Vec<_>) =
-        queued.into_iter().map(|q| (q.work, q.held)).unzip();
-    let held = held.into_iter().flatten().collect();
-    // A request that ran out of time meanwhile has rolled back: it must take nothing.
-    queued.retain(|w| !w.abandoned());
+    for Queued { work, marker, .. } in queued {
+        // Marked before the look at the requester: see `agent::attachments`.
+        let mark = marker.map(|m| m.hold());
+        // A request that ran out of time meanwhile has rolled back: it must take nothing.
+        if !work.abandoned() {
+            taken.push(work);
+            held.extend(mark);
+        }
+    }
     let (mut adds, mut dels) = (Vec::new(), Vec::new());
-    for work in queued {
+    for work in taken {
         match work {
             Work::Allocate(job, reply) => adds.push((job, reply)),
             Work::Release(job, reply) => dels.push((job, reply)),

@@ -158,7 +158,7 @@ async fn full_queues_hand_requests_back_and_lose_nothing_queued() {
 async fn a_container_with_work_in_the_agent_is_never_handed_back() {
     for (first, deadline) in [("ADD", cni::ADD_DEADLINE), ("DEL", cni::OTHER_DEADLINE)] {
         let limits = Limits {
-            per_pool: 1,
+            per_pool: 2,
             total: 10,
         };
         let metrics = Arc::new(AgentMetrics::new());
@@ -187,7 +187,16 @@ async fn a_container_with_work_in_the_agent_is_never_handed_back() {
             "{first}: its group still runs"
         );
         let other = spawn(add("c2", "10.0.0.0/24"));
-        until("the queue is full", || agent.batcher().waiting(A) == 1).await;
+        let queued_then_gone = spawn(add("c4", "10.0.0.0/24"));
+        until("the queue is full", || agent.batcher().waiting(A) == 2).await;
+        assert!(
+            agent.attachments().busy("c4"),
+            "marked while its requester waits"
+        );
+        // Work whose requester left while it was still queued never runs: it marks nothing.
+        queued_then_gone.abort();
+        let _ = queued_then_gone.await;
+        assert!(!agent.attachments().busy("c4"));
 
         let retry = agent.run(add("c1", "10.0.0.0/24")).await;
         let AgentReply::Failed { code, msg, .. } = &retry else {
@@ -218,6 +227,97 @@ async fn a_container_with_work_in_the_agent_is_never_handed_back() {
         );
         assert!(agent.attachments().is_empty());
     }
+}
+
+/// SIGTERM with an ADD's group stalled at the store: the agent keeps its socket and drains. A
+/// new request of another container is handed back at once ("shutting down"); a retry of the
+/// stalled one's container gets code 11, since run in the plugin it could overtake that work;
+/// `serve` returns only once the work is done, and only then may the socket go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_and_never_hands_back_a_container_with_work_here() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let (listener, _) = bind(&path).await.unwrap();
+    let agent = Arc::new(Agent::new(
+        MemoryStore::new(),
+        String::new(),
+        0,
+        Arc::new(AgentMetrics::new()),
+    ));
+    let store = agent.store.clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(agent.clone().serve(
+        listener,
+        async move {
+            let _ = stopped.await;
+        },
+        Duration::from_secs(60),
+    ));
+    let call = |container: &str| {
+        let (path, request) = (path.clone(), add(container, "10.0.0.0/24"));
+        tokio::task::spawn_blocking(move || {
+            cni::handoff::client::call(&path, &request, Duration::from_secs(30))
+        })
+    };
+    store.hold(true);
+    let stalled = call("c1");
+    until("c1's group waits at the store", || store.waiting() == 1).await;
+    stop.send(()).unwrap();
+    until("draining", || agent.draining.load(Ordering::SeqCst)).await;
+
+    let other = call("c2").await.unwrap().unwrap();
+    assert_eq!(
+        other,
+        Some(AgentReply::Direct {
+            reason: "the node agent is shutting down".into()
+        })
+    );
+    let Some(AgentReply::Failed { code, msg, .. }) = call("c1").await.unwrap().unwrap() else {
+        panic!("a retry of a container with work here was not held back");
+    };
+    assert_eq!(code, Code::TryAgainLater.number());
+    assert!(msg.contains("earlier request of container c1"), "{msg}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!served.is_finished(), "serve returned with work in flight");
+
+    store.hold(false);
+    let done = stalled.await.unwrap().unwrap();
+    assert!(matches!(done, Some(AgentReply::Done { .. })), "{done:?}");
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("serve returns once drained")
+        .unwrap();
+    assert!(
+        path.exists(),
+        "the socket is the caller's to remove, after serve"
+    );
+}
+
+/// A request that does not arrive whole in time (its plugin starved of CPU in a storm) cannot
+/// be told apart: it may be a retry of a container with work here, so it is answered "try again
+/// later", never handed back to run in the plugin.
+#[tokio::test(start_paused = true)]
+async fn a_request_not_read_in_time_is_retried_not_handed_back() {
+    let agent = Agent::new(
+        MemoryStore::new(),
+        String::new(),
+        0,
+        Arc::new(AgentMetrics::new()),
+    );
+    let (mut plugin, stream) = UnixStream::pair().unwrap();
+    plugin.write_all(b"{\"env\":").await.unwrap();
+    agent.connection(stream).await;
+    let mut answer = String::new();
+    plugin.read_to_string(&mut answer).await.unwrap();
+    let reply: AgentReply = serde_json::from_str(&answer).unwrap();
+    let AgentReply::Failed { code, msg, .. } = reply else {
+        panic!("{reply:?}");
+    };
+    assert_eq!(code, Code::TryAgainLater.number());
+    assert!(
+        msg.starts_with("agent read: no complete request within 10s; try again later"),
+        "{msg}"
+    );
 }
 
 /// A request whose second pool is full is handed back before its first range runs.
