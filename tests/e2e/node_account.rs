@@ -22,6 +22,22 @@ pub(crate) fn admin(args: &[&str], stdin: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// `kubectl apply` of `text` as the cluster admin. Tests running at once apply the same
+/// cluster-wide objects (the node policies and flow schemas), and a client-side apply that lost
+/// to the other's write of the same object fails ("the object has been modified"): it is retried.
+pub(crate) fn admin_apply(text: &str) {
+    let mut failures = Vec::new();
+    for _ in 0..10 {
+        let out = kubectl_raw(admin_kubeconfig(), &["apply", "-f", "-"], Some(text));
+        if out.status.success() {
+            return;
+        }
+        failures.push(String::from_utf8_lossy(&out.stderr).into_owned());
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    panic!("kubectl apply failed 10 times: {failures:?}");
+}
+
 /// Runs `args` with `kubeconfig` and asserts that the API server refuses it with `why`. An
 /// admission policy takes effect a while after it is created, so this first waits until a
 /// server-side dry run of the same request is refused (policies judge dry runs too, and nothing

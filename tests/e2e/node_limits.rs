@@ -14,7 +14,9 @@ use crate::harness::{
 };
 use crate::slices::{SimNode, upstream_bin};
 
-use crate::node_account::{NODE, SYSTEM, admin, kill_token, node_token, refused_once_loaded};
+use crate::node_account::{
+    NODE, SYSTEM, admin, admin_apply, kill_token, node_token, refused_once_loaded,
+};
 
 /// The objects of config/rbac/node-limits.yaml as config/default renders them: the policies,
 /// their bindings, the FlowSchema and its priority level.
@@ -39,7 +41,7 @@ fn node_account(ns: &Ns) -> PathBuf {
         .collect();
     assert_eq!(limits.len(), 8, "{limits:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": limits});
-    admin(&["apply", "-f", "-"], Some(&list.to_string()));
+    admin_apply(&list.to_string());
     let _ = kubectl_raw(admin_kubeconfig(), &["create", "namespace", SYSTEM], None);
     let _ = kubectl_raw(
         admin_kubeconfig(),
@@ -180,7 +182,7 @@ pub(crate) fn node_rights(ns: &Ns) {
         .collect();
     assert_eq!(objects.len(), 14, "{objects:?}");
     let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
-    admin(&["apply", "-f", "-"], Some(&list.to_string()));
+    admin_apply(&list.to_string());
 }
 
 /// Deletes reservation `name` with `kubeconfig` as our plugin does, on the condition of the UID it
