@@ -11,20 +11,21 @@
 
 mod errors;
 mod requests;
+mod turns;
 mod watch;
 
 use std::collections::{BTreeMap, HashMap};
 
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
 use kube::api::{Api, DeleteParams, GetParams, PostParams, Preconditions, WatchParams};
-use kube::{Client, core::ObjectMeta};
 use serde_json::{Value, json};
 
 use super::{
     CLAIMED_LABEL, Datastore, Listing, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
-    RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_LABEL, TURN_SECONDS, Turn,
-    TurnAttempt, Write, claim_bucket, now_secs, recent_buckets,
+    RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_SECONDS, Turn, TurnAttempt,
+    Write, claim_bucket, now_secs, recent_buckets,
 };
 use crate::crd::{
     IPAMClaim, IPAMClaimStatus, IPAllocation, IPPool, NodeSlicePool, OverlappingRangeIPReservation,
@@ -32,6 +33,7 @@ use crate::crd::{
 };
 use errors::{api_code, error, is_unserved, retrying};
 use requests::{claim_object, entry_path, owner_tests, pool_object};
+pub use turns::turn_name;
 pub use watch::KubeChanges;
 use watch::to_pool;
 
@@ -55,13 +57,6 @@ pub struct KubeStore {
 }
 
 type RecentSlices = HashMap<String, (std::time::Instant, Option<NodeSlicePool>)>;
-
-/// The Lease that is `pool`'s writer turn: `whereabouts-<pool>`, in the pool namespace. None when
-/// the name would be too long for an object name (that pool is then written without turns).
-pub fn turn_name(pool: &str) -> Option<String> {
-    let name = format!("whereabouts-{pool}");
-    (name.len() <= 253).then_some(name)
-}
 
 impl KubeStore {
     /// The node agent's store: its requests share one HTTP/2 connection (see
@@ -208,33 +203,7 @@ impl Datastore for KubeStore {
     }
 
     async fn take_turn(&self, pool: &str, holder: &str) -> TurnAttempt {
-        let Some(name) = turn_name(pool) else {
-            return TurnAttempt::Unavailable;
-        };
-        let lease = Lease {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                labels: Some([(TURN_LABEL.to_owned(), "true".to_owned())].into()),
-                ..Default::default()
-            },
-            spec: Some(LeaseSpec {
-                holder_identity: Some(holder.to_owned()),
-                lease_duration_seconds: Some(TURN_SECONDS as i32),
-                ..Default::default()
-            }),
-        };
-        // One attempt, no retries: a busy API server is a reason to write without a turn.
-        match self.leases.create(&PostParams::default(), &lease).await {
-            Ok(created) => TurnAttempt::Taken(Turn {
-                pool: pool.to_owned(),
-                uid: created.metadata.uid.unwrap_or_default(),
-            }),
-            Err(e) if api_code(&e) == Some(409) => TurnAttempt::Busy,
-            Err(e) => {
-                tracing::warn!(lease = %name, error = %e, "cannot take the pool's writer turn; writing without it");
-                TurnAttempt::Unavailable
-            }
-        }
+        self.create_turn(pool, holder).await
     }
 
     async fn end_turn(&self, turn: &Turn) {
@@ -244,19 +213,7 @@ impl Datastore for KubeStore {
     }
 
     async fn turn_holder(&self, pool: &str) -> Option<(String, String)> {
-        let name = turn_name(pool)?;
-        match self.leases.get_opt(&name).await {
-            Ok(found) => found.map(|l| {
-                (
-                    l.metadata.uid.unwrap_or_default(),
-                    l.metadata.resource_version.unwrap_or_default(),
-                )
-            }),
-            Err(e) => {
-                tracing::debug!(lease = %name, error = %e, "cannot read the pool's writer turn");
-                None
-            }
-        }
+        self.read_turn(pool).await
     }
 
     async fn break_turn(&self, pool: &str, uid: &str, rv: &str) {
