@@ -233,9 +233,11 @@ impl<S: Datastore + 'static> Agent<S> {
         let request = read_request(&mut stream).await;
         let started = Instant::now();
         let command = request.as_ref().map_or("unknown", command_label);
+        // Owned: the request itself moves on to run.
+        let container = request.as_ref().map_or("", container_of).to_owned();
         let reply = match self.in_flight.clone().try_acquire_owned() {
             Ok(_permit) if self.draining.load(Ordering::SeqCst) => self.hand_back_or_hold(
-                request.as_ref().map_or("", |r| container_of(r)),
+                &container,
                 HandBack::ShuttingDown,
                 "the node agent is shutting down".into(),
             ),
@@ -254,7 +256,7 @@ impl<S: Datastore + 'static> Agent<S> {
                 }
             },
             Err(_) => self.hand_back_or_hold(
-                request.as_ref().map_or("", |r| container_of(r)),
+                &container,
                 HandBack::Busy,
                 format!("agent busy: {MAX_IN_FLIGHT} requests in flight"),
             ),

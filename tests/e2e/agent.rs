@@ -236,6 +236,58 @@ fn without_an_agent_the_plugin_runs_the_request_itself() {
     assert_eq!(live.served(), 0, "{}", live.log());
 }
 
+/// An agent serving `range` for `ns`, and a burst of 100 ADDs through it, returned right after
+/// the agent's first answer, while the rest are queued or in a group: the agent, the plugin's
+/// kubeconfig (the one the agent serves), the network config and the plugin processes.
+fn burst_in_flight(ns: &Ns, dir: &Path, range: &str) -> (Agent, String, Value, Vec<Child>) {
+    let own = ns.kubeconfig.to_str().unwrap().to_owned();
+    let agent = Agent::start(ns, dir, &own);
+    let conf = netconf(ns, dir, json!({"range": range}), &own, &agent.socket);
+    let children = ns.cni_spawn_pods("ADD", &conf, 0..100);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.served() == 0 {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    (agent, own, conf, children)
+}
+
+/// The pods (by index) whose ADD failed; each failure must be retryable (code 11).
+fn failed_adds(children: Vec<Child>) -> Vec<usize> {
+    let mut failed = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let r = Cni::from(c.wait_with_output().unwrap());
+        if !r.ok {
+            assert_eq!(r.stdout["code"], 11, "retryable: {}", r.stdout);
+            failed.push(i);
+        }
+    }
+    failed
+}
+
+/// Retries every `failed` ADD as runtimes do (DEL of the failed sandbox, then a new sandbox, a
+/// new container id, and its ADD), then checks that each of the 120 pods holds exactly one
+/// entry of `pool`, none twice, and that no claim is left over.
+fn retry_then_one_address_per_pod(ns: &Ns, conf: &Value, failed: &[usize], pool: &str) {
+    for i in failed {
+        let (pod, uid) = (format!("pod{i}"), format!("uid-pod{i}"));
+        let r = ns.cni("DEL", conf, &format!("c{i}"), "net1", &pod, &uid);
+        assert!(r.ok, "{:?}", r);
+        let r = ns.cni("ADD", conf, &format!("c{i}-retry"), "net1", &pod, &uid);
+        assert!(r.ok, "{:?}", r);
+    }
+    let pool = ns.allocations(pool);
+    let pods: BTreeSet<String> = pool.values().map(|e| e["podref"].to_string()).collect();
+    assert_eq!(pool.len(), 120, "one entry per pod: {pool:?}");
+    assert_eq!(pods.len(), 120);
+    let reservations = ns.reservations();
+    assert_eq!(
+        reservations.len(),
+        120,
+        "no claim left over: {reservations:?}"
+    );
+}
+
 /// Killing the agent while ADDs are in its hands: the plugins cut off report a retryable error,
 /// and their retries (the runtime's: DEL, then a new sandbox's ADD, here run after the agent is
 /// gone) finish with every pod holding exactly one address, none twice, no claim left over: the
@@ -247,22 +299,7 @@ fn without_an_agent_the_plugin_runs_the_request_itself() {
 fn an_agent_killed_mid_burst_leaves_no_duplicate() {
     let ns = Ns::new("agentkill");
     let dir = tempfile::tempdir().unwrap();
-    let own = ns.kubeconfig.to_str().unwrap().to_owned();
-    let mut agent = Agent::start(&ns, dir.path(), &own);
-    let conf = netconf(
-        &ns,
-        dir.path(),
-        json!({"range": "10.42.0.0/24"}),
-        &own,
-        &agent.socket,
-    );
-    let mut children = ns.cni_spawn_pods("ADD", &conf, 0..100);
-    // Right after the first answer, while the rest are queued or in a group.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while agent.served() == 0 {
-        assert!(Instant::now() < deadline, "{}", agent.log());
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let (mut agent, own, conf, mut children) = burst_in_flight(&ns, dir.path(), "10.42.0.0/24");
     agent.child.kill().unwrap();
     agent.child.wait().unwrap();
 
@@ -273,37 +310,13 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
     stopped.child.kill().unwrap();
     stopped.child.wait().unwrap();
 
-    let mut failed = Vec::new();
-    for (i, c) in children.into_iter().enumerate() {
-        let r = Cni::from(c.wait_with_output().unwrap());
-        if !r.ok {
-            assert_eq!(r.stdout["code"], 11, "retryable: {}", r.stdout);
-            failed.push(i);
-        }
-    }
+    let failed = failed_adds(children);
     assert!(
         failed.len() >= 20,
         "the stopped agent's 20 ADDs failed: {failed:?}"
     );
-    // The runtime retries every failed ADD as runtimes do: DEL of the failed sandbox, then a new
-    // sandbox (a new container id) and its ADD. The agent is gone: the plugin runs them itself.
-    for i in &failed {
-        let (pod, uid) = (format!("pod{i}"), format!("uid-pod{i}"));
-        let r = ns.cni("DEL", &conf, &format!("c{i}"), "net1", &pod, &uid);
-        assert!(r.ok, "{:?}", r);
-        let r = ns.cni("ADD", &conf, &format!("c{i}-retry"), "net1", &pod, &uid);
-        assert!(r.ok, "{:?}", r);
-    }
-    let pool = ns.allocations("10.42.0.0-24");
-    let pods: BTreeSet<String> = pool.values().map(|e| e["podref"].to_string()).collect();
-    assert_eq!(pool.len(), 120, "one entry per pod: {pool:?}");
-    assert_eq!(pods.len(), 120);
-    let reservations = ns.reservations();
-    assert_eq!(
-        reservations.len(),
-        120,
-        "no claim left over: {reservations:?}"
-    );
+    // The agent is gone: the plugin runs the retries itself.
+    retry_then_one_address_per_pod(&ns, &conf, &failed, "10.42.0.0-24");
     eprintln!("{} of 120 ADDs were cut off by the kills", failed.len());
 }
 
@@ -315,21 +328,7 @@ fn an_agent_killed_mid_burst_leaves_no_duplicate() {
 fn an_agent_stopped_mid_burst_drains_before_its_socket_goes() {
     let ns = Ns::new("agentterm");
     let dir = tempfile::tempdir().unwrap();
-    let own = ns.kubeconfig.to_str().unwrap().to_owned();
-    let mut agent = Agent::start(&ns, dir.path(), &own);
-    let conf = netconf(
-        &ns,
-        dir.path(),
-        json!({"range": "10.43.0.0/24"}),
-        &own,
-        &agent.socket,
-    );
-    let mut children = ns.cni_spawn_pods("ADD", &conf, 0..100);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while agent.served() == 0 {
-        assert!(Instant::now() < deadline, "{}", agent.log());
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let (mut agent, _, conf, mut children) = burst_in_flight(&ns, dir.path(), "10.43.0.0/24");
     signal(agent.child.id(), "-TERM");
     children.extend(ns.cni_spawn_pods("ADD", &conf, 100..120));
     let deadline = Instant::now() + Duration::from_secs(40);
@@ -353,31 +352,9 @@ fn an_agent_stopped_mid_burst_drains_before_its_socket_goes() {
     );
     assert!(!log[removed..].contains(" served "), "{log}");
 
-    let mut retried = 0;
-    for (i, c) in children.into_iter().enumerate() {
-        let r = Cni::from(c.wait_with_output().unwrap());
-        if r.ok {
-            continue;
-        }
-        assert_eq!(r.stdout["code"], 11, "retryable: {}", r.stdout);
-        let (pod, uid) = (format!("pod{i}"), format!("uid-pod{i}"));
-        assert!(
-            ns.cni("DEL", &conf, &format!("c{i}"), "net1", &pod, &uid)
-                .ok
-        );
-        let r = ns.cni("ADD", &conf, &format!("c{i}-retry"), "net1", &pod, &uid);
-        assert!(r.ok, "{r:?}");
-        retried += 1;
-    }
-    let pool = ns.allocations("10.43.0.0-24");
-    let pods: BTreeSet<String> = pool.values().map(|e| e["podref"].to_string()).collect();
-    assert_eq!(
-        (pool.len(), pods.len()),
-        (120, 120),
-        "one entry per pod: {pool:?}"
-    );
-    assert_eq!(ns.reservations().len(), 120, "no claim left over");
-    eprintln!("{retried} of 120 ADDs were retried");
+    let failed = failed_adds(children);
+    retry_then_one_address_per_pod(&ns, &conf, &failed, "10.43.0.0-24");
+    eprintln!("{} of 120 ADDs were retried", failed.len());
 }
 
 /// Bad input on the socket is handed back with a reason naming the problem (the agent runs

@@ -154,19 +154,16 @@ impl<S: Datastore> Worker<S> {
 /// A group taken in, split into its allocations and its releases (so that the releases can run
 /// first), without the requests that stopped waiting.
 fn split(queued: Vec<Queued>) -> Group {
-    let (mut taken, mut held) = (Vec::new(), Vec::new());
+    let (mut adds, mut dels, mut held) = (Vec::new(), Vec::new(), Vec::new());
     // Taken into the group: the places in the queue are free for the next requests.
     for Queued { work, marker, .. } in queued {
         // Marked before the look at the requester: see `agent::attachments`.
         let mark = marker.map(|m| m.hold());
         // A request that ran out of time meanwhile has rolled back: it must take nothing.
-        if !work.abandoned() {
-            taken.push(work);
-            held.extend(mark);
+        if work.abandoned() {
+            continue;
         }
-    }
-    let (mut adds, mut dels) = (Vec::new(), Vec::new());
-    for work in taken {
+        held.extend(mark);
         match work {
             Work::Allocate(job, reply) => adds.push((job, reply)),
             Work::Release(job, reply) => dels.push((job, reply)),
