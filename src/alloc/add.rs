@@ -9,7 +9,7 @@ use super::pool::ObjectRoom;
 use super::{AllocError, Allocated, Engine, Owner};
 use crate::crd::IPAllocation;
 use crate::retry::{LOST_RACE, MAX_CONFLICTS};
-use crate::store::{Datastore, Listing, Pool, PoolWrite, StoreError, Write};
+use crate::store::{Datastore, Listing, Made, Pool, PoolWrite, StoreError, Write};
 
 /// One try at an address.
 pub(super) struct Attempt {
@@ -236,17 +236,24 @@ impl<S: Datastore> Engine<'_, S> {
         // A claim adopted from an earlier attempt may be backing that attempt's entry: never
         // undo it.
         let adopted = attempt.claimed.is_some();
-        let uid = match attempt.claimed {
-            Some(uid) => uid,
+        let made = match attempt.claimed {
+            Some(uid) => Made {
+                uid,
+                ..Made::default()
+            },
             None => match self.claim(ip, who, attempt.verify).await? {
-                Claim::Ours(uid) => uid,
+                Claim::Ours(made) => made,
                 lost => return Ok(Err(lost)),
             },
         };
         let entry = who.entry();
         if self.record(pool, offset, &entry, contenders).await? {
+            if contenders > 0 {
+                self.settle(ip, &made).await;
+            }
             return Ok(Ok(ip));
         }
+        let uid = made.uid;
         // Lost to a writer that takes no reservations, or the pool went away. A writer recording
         // pending claims may have written our entry in the meantime: take it out again, then the
         // claim.
@@ -286,6 +293,17 @@ impl<S: Datastore> Engine<'_, S> {
                 Some(fresh) => self.record_in_turn(fresh, offset, entry, 1).await,
                 None => Ok(false),
             },
+        }
+    }
+
+    /// Takes our recorded claim off the claims lists of the others claiming from this pool
+    /// ([`Datastore::settle_claim`]). Only worth a write when others are claiming: a lone ADD's
+    /// claim leaves the lists within a few claim buckets anyway. Nothing depends on it: a claim
+    /// left listed costs the lists its size, and its release an announcement.
+    async fn settle(&self, ip: IpAddr, made: &Made) {
+        let name = self.target.reservation(ip);
+        if let Err(e) = self.store.settle_claim(&name, made).await {
+            tracing::debug!(reservation = %name, error = %e, "could not take a recorded claim off the claims lists");
         }
     }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::{Engine, Owned, Owner};
 use crate::crd::IPAllocation;
-use crate::store::{Datastore, Listing, Pool, Reservation, StoreError, Write};
+use crate::store::{Datastore, Listing, Made, Pool, Reservation, StoreError, Write};
 
 /// How long a claim may wait for its pool entry while its writer is still at work. An ADD records
 /// its claim, or rolls it back, within its deadline and rollback budget of writing it
@@ -21,8 +21,9 @@ pub const CLAIM_LIFETIME: Duration = Duration::from_secs(120);
 /// The outcome of trying to claim an address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// Ours, with the reservation's UID (new, or left by an earlier attempt of this attachment).
-    Ours(String),
+    /// Ours, with the reservation's UID (new, or left by an earlier attempt of this attachment)
+    /// and, when this claimant made it, its version.
+    Ours(Made),
     /// Lost to a claimant that is probably still racing us: spread the next pick.
     Race,
     /// Held steadily by another pod (an overlapping range): just try the next address.
@@ -53,12 +54,12 @@ impl<S: Datastore> Engine<'_, S> {
     pub async fn claim(&self, ip: IpAddr, who: &Owner, verify: bool) -> Result<Claim, StoreError> {
         let name = self.target.reservation(ip);
         for _ in 0..3 {
-            if let (Write::Done, uid) = self
+            if let (Write::Done, made) = self
                 .store
                 .create_reservation(&name, &who.claim(), &self.target.pool, ip)
                 .await?
             {
-                return Ok(Claim::Ours(uid));
+                return Ok(Claim::Ours(made));
             }
             if !verify {
                 return Ok(Claim::Lost);
@@ -116,7 +117,10 @@ impl<S: Datastore> Engine<'_, S> {
                     .renew_claim(name, &r.uid, &r.resource_version)
                     .await?
                 {
-                    Write::Done => Claim::Ours(r.uid.clone()),
+                    Write::Done => Claim::Ours(Made {
+                        uid: r.uid.clone(),
+                        ..Made::default()
+                    }),
                     _ => Claim::Race,
                 },
             );
@@ -128,7 +132,10 @@ impl<S: Datastore> Engine<'_, S> {
                 .take_over_reservation(name, &r.uid, &r.resource_version, &spec)
                 .await?
             {
-                Write::Done => Claim::Ours(r.uid.clone()),
+                Write::Done => Claim::Ours(Made {
+                    uid: r.uid.clone(),
+                    ..Made::default()
+                }),
                 _ => Claim::Race,
             },
         )

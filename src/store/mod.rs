@@ -159,6 +159,15 @@ pub struct PoolClaim {
     pub spec: OverlappingRangeIPReservationSpec,
 }
 
+/// A reservation as its maker made it: what a later write conditional on it names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Made {
+    pub uid: String,
+    /// Empty when not known (a claim adopted or taken over): no write can then be conditional
+    /// on it.
+    pub resource_version: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {
     pub name: String,
@@ -311,14 +320,20 @@ pub trait Datastore: Send + Sync {
         expected: &IPAllocation,
     ) -> impl Future<Output = Result<Write>> + Send;
     /// Creates a reservation of `ip` for `pool`; `Conflict` when one exists. Returns the new
-    /// object's UID on success.
+    /// object's UID and version on success.
     fn create_reservation(
         &self,
         name: &str,
         spec: &OverlappingRangeIPReservationSpec,
         pool: &str,
         ip: std::net::IpAddr,
-    ) -> impl Future<Output = Result<(Write, String)>> + Send;
+    ) -> impl Future<Output = Result<(Write, Made)>> + Send;
+    /// Takes a claim whose entry its pool now holds off the claims lists ([`Datastore::claims_of`]
+    /// stops showing it: its [`CLAIMED_LABEL`] goes), if it is still exactly the version its
+    /// claimant made. Every claims list of a busy pool returned every recent claim, recorded or
+    /// not, and those lists were most of what a storm cost the API server. A reservation
+    /// announced or renewed meanwhile changed version and is left as it is.
+    fn settle_claim(&self, name: &str, made: &Made) -> impl Future<Output = Result<Write>> + Send;
     /// Recent claims made for `pool` by our plugin (pool and claim-time labels, address
     /// annotation) and not announced as released, as fresh as `listing` asks.
     fn claims_of(

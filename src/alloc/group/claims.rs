@@ -33,9 +33,9 @@ pub(super) async fn claim_open<S: Datastore>(
     for (i, offset, claimed) in claims {
         let slot = &mut slots[i];
         slot.state = match claimed {
-            Ok(Claim::Ours(uid)) => State::Held {
+            Ok(Claim::Ours(made)) => State::Held {
                 offset,
-                uid: slot.job.target.overlapping.then_some(uid),
+                uid: slot.job.target.overlapping.then_some(made.uid),
             },
             Ok(_) => {
                 lost = true;
@@ -119,7 +119,7 @@ async fn claim_all<S: Datastore>(
         async move {
             if !job.target.overlapping {
                 // No reservations: the pool entry itself is the claim.
-                return (i, offset, Ok(Claim::Ours(String::new())));
+                return (i, offset, Ok(Claim::Ours(Default::default())));
             }
             let ip = job.target.picked(offset);
             (

@@ -23,7 +23,7 @@ use kube::api::{Api, DeleteParams, GetParams, PostParams, Preconditions, WatchPa
 use serde_json::{Value, json};
 
 use super::{
-    CLAIMED_LABEL, Datastore, Listing, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
+    CLAIMED_LABEL, Datastore, Listing, Made, POOL_LABEL, PodFacts, Pool, PoolClaim, PoolWrite,
     RELEASING_LABEL, RENEWED_ANNOTATION, Reservation, Result, TURN_SECONDS, Turn, TurnAttempt,
     Write, claim_bucket, now_secs, recent_buckets,
 };
@@ -258,12 +258,18 @@ impl Datastore for KubeStore {
         spec: &OverlappingRangeIPReservationSpec,
         pool: &str,
         ip: std::net::IpAddr,
-    ) -> Result<(Write, String)> {
+    ) -> Result<(Write, Made)> {
         let obj = claim_object(name, spec, pool, ip);
         let post = PostParams::default();
         match retrying(|| self.reservations.create(&post, &obj)).await {
-            Ok(created) => Ok((Write::Done, created.metadata.uid.unwrap_or_default())),
-            Err(e) if api_code(&e) == Some(409) => Ok((Write::Conflict, String::new())),
+            Ok(created) => Ok((
+                Write::Done,
+                Made {
+                    uid: created.metadata.uid.unwrap_or_default(),
+                    resource_version: created.metadata.resource_version.unwrap_or_default(),
+                },
+            )),
+            Err(e) if api_code(&e) == Some(409) => Ok((Write::Conflict, Made::default())),
             Err(e) => Err(error(
                 "create",
                 format!("overlappingrangeipreservation {name}"),
@@ -313,6 +319,18 @@ impl Datastore for KubeStore {
             "metadata": {"uid": uid, "resourceVersion": resource_version, "labels": {RELEASING_LABEL: null}},
             "spec": spec,
         });
+        Ok(self.patch_reservation(name, &body).await?.0)
+    }
+
+    async fn settle_claim(&self, name: &str, made: &Made) -> Result<Write> {
+        if made.uid.is_empty() || made.resource_version.is_empty() {
+            return Ok(Write::Conflict); // not conditional on anything: leave it
+        }
+        let body = json!({"metadata": {
+            "uid": made.uid,
+            "resourceVersion": made.resource_version,
+            "labels": {CLAIMED_LABEL: null},
+        }});
         Ok(self.patch_reservation(name, &body).await?.0)
     }
 

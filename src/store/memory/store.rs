@@ -244,14 +244,15 @@ impl Datastore for MemoryStore {
         spec: &OverlappingRangeIPReservationSpec,
         pool: &str,
         ip: std::net::IpAddr,
-    ) -> Result<(Write, String)> {
+    ) -> Result<(Write, crate::store::Made)> {
         self.pause().await;
         self.check("create", name)?;
         let mut s = self.state.lock().unwrap();
         if s.reservations.contains_key(name) {
-            return Ok((Write::Conflict, String::new()));
+            return Ok((Write::Conflict, Default::default()));
         }
         let uid = format!("uid-{}", self.next.fetch_add(1, Ordering::Relaxed));
+        let version = self.next.fetch_add(1, Ordering::Relaxed).to_string();
         let now = crate::store::now_secs();
         s.reservations.insert(
             name.into(),
@@ -263,11 +264,33 @@ impl Datastore for MemoryStore {
                 claimed: Some(crate::store::claim_bucket(now)),
                 // Kept in `State::releasing`, as labels are; `get_reservation` fills it in.
                 releasing: false,
-                resource_version: self.next.fetch_add(1, Ordering::Relaxed).to_string(),
+                resource_version: version.clone(),
             },
         );
         s.claims.insert(name.into(), (pool.into(), ip));
-        Ok((Write::Done, uid))
+        let made = crate::store::Made {
+            uid,
+            resource_version: version,
+        };
+        Ok((Write::Done, made))
+    }
+
+    async fn settle_claim(&self, name: &str, made: &crate::store::Made) -> Result<Write> {
+        if made.resource_version.is_empty() {
+            return Ok(Write::Conflict);
+        }
+        self.patch_at(
+            "settle_claim",
+            name,
+            &made.uid,
+            &made.resource_version,
+            |s| {
+                if let Some(r) = s.reservations.get_mut(name) {
+                    r.claimed = None;
+                }
+            },
+        )
+        .await
     }
 
     async fn claims_of(&self, pool: &str, listing: Listing) -> Result<Vec<PoolClaim>> {
