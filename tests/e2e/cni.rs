@@ -101,7 +101,7 @@ fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
     assert!(!leases.contains("whereabouts-"), "{leases}");
     // A claim recorded among others leaves the claims lists (its claim-time label goes): what
     // the pool's claimants list is what is still waiting, not the whole burst. Those recorded
-    // with nobody else claiming keep it: a few of a burst of 100 (all 100 kept it before).
+    // with nobody else claiming keep it: 3 and 4 of a burst of 100 in two runs (all 100 before).
     let listed = ns.kubectl_ok(&[
         "get",
         "overlappingrangeipreservations",
@@ -110,7 +110,7 @@ fn a_hundred_concurrent_adds_give_a_hundred_distinct_addresses() {
         "-o",
         "name",
     ]);
-    assert!(listed.lines().count() < 50, "{listed}");
+    assert!(listed.lines().count() < 25, "{listed}");
 
     // And 100 concurrent DELs free everything, entries and reservations.
     for r in ns.cni_pods("DEL", &conf, 0..100) {
