@@ -319,19 +319,14 @@ async fn a_turn_holder_does_not_write_back_a_release_that_its_cache_does_not_sho
 #[tokio::test]
 async fn a_turn_write_from_before_a_dels_withdrawal_cannot_record_the_withdrawn_claim() {
     use whereabouts::agent::batch::Batcher;
-    use whereabouts::crd::{IPAllocation, OverlappingRangeIPReservationSpec};
+    use whereabouts::crd::IPAllocation;
     for agent in [false, true] {
         let store = Arc::new(MemoryStore::new());
         let batcher = Batcher::new(store.clone(), Arc::default());
         let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
         run(&store, Command::Add, &ipam, "c0", "p0").await.unwrap();
         // c1's ADD claimed 10.0.0.2 and was cut off before recording it.
-        let spec = OverlappingRangeIPReservationSpec {
-            containerid: "c1".into(),
-            podref: "ns/p1".into(),
-            ifname: "net1".into(),
-            ..Default::default()
-        };
+        let spec = claim_spec("c1", "p1");
         let ip = "10.0.0.2".parse().unwrap();
         let (created, _) = (store.create_reservation("10.0.0.2", &spec, "10.0.0.0-24", ip))
             .await

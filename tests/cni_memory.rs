@@ -262,12 +262,6 @@ async fn an_abandoned_turn_is_taken_over() {
 async fn only_recent_claims_are_recorded_for_others() {
     let store = MemoryStore::new();
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let killed = |c: &str, p: &str| whereabouts::crd::OverlappingRangeIPReservationSpec {
-        containerid: c.into(),
-        podref: format!("ns/{p}"),
-        ifname: "net1".into(),
-        ..Default::default()
-    };
     let claim = |spec, ip: &str| {
         let name = ip.to_owned();
         let ip: std::net::IpAddr = ip.parse().unwrap();
@@ -279,7 +273,7 @@ async fn only_recent_claims_are_recorded_for_others() {
                 .unwrap()
         }
     };
-    claim(killed("dead", "dead"), "10.0.0.1").await;
+    claim(claim_spec("dead", "dead"), "10.0.0.1").await;
     store.age_reservations(120);
     let out = run(&store, Command::Add, &ipam, "c1", "p1")
         .await
@@ -289,7 +283,7 @@ async fn only_recent_claims_are_recorded_for_others() {
     let pool = store.get_pool("10.0.0.0-24").await.unwrap().unwrap();
     assert_eq!(pool.allocations.keys().collect::<Vec<_>>(), [&2]);
 
-    claim(killed("slow", "slow"), "10.0.0.3").await;
+    claim(claim_spec("slow", "slow"), "10.0.0.3").await;
     let out = run(&store, Command::Add, &ipam, "c4", "p4")
         .await
         .unwrap()
@@ -317,12 +311,7 @@ async fn listed_claims(store: &MemoryStore) -> Vec<String> {
 async fn a_claim_recorded_among_others_leaves_the_claims_lists() {
     let store = MemoryStore::new();
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let spec = whereabouts::crd::OverlappingRangeIPReservationSpec {
-        containerid: "slow".into(),
-        podref: "ns/slow".into(),
-        ifname: "net1".into(),
-        ..Default::default()
-    };
+    let spec = claim_spec("slow", "slow");
     let ip: std::net::IpAddr = "10.0.0.1".parse().unwrap();
     let (_, slow) = (store.create_reservation("10.0.0.1", &spec, "10.0.0.0-24", ip))
         .await
@@ -365,12 +354,7 @@ async fn a_claim_recorded_among_others_leaves_the_claims_lists() {
 async fn an_earlier_attempts_claim_is_renewed_before_it_is_recorded() {
     let store = MemoryStore::new();
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let spec = whereabouts::crd::OverlappingRangeIPReservationSpec {
-        containerid: "c0".into(),
-        podref: "ns/p0".into(),
-        ifname: "net1".into(),
-        ..Default::default()
-    };
+    let spec = claim_spec("c0", "p0");
     let ip: std::net::IpAddr = "10.0.0.1".parse().unwrap();
     store
         .create_reservation("10.0.0.1", &spec, "10.0.0.0-24", ip)
@@ -1222,12 +1206,7 @@ async fn an_old_containers_del_leaves_the_claim_its_successor_took_over() {
         ..Default::default()
     };
     store.put_entry("10.0.0.0-24", "10.0.0.0/24", 1, old);
-    let taken_over = whereabouts::crd::OverlappingRangeIPReservationSpec {
-        containerid: "c-new".into(),
-        podref: "ns/p".into(),
-        ifname: "net1".into(),
-        ..Default::default()
-    };
+    let taken_over = claim_spec("c-new", "p");
     store
         .create_reservation(
             "10.0.0.1",
@@ -1291,12 +1270,6 @@ async fn groups_of_many_agents_fill_a_range_exactly() {
 async fn a_del_withdraws_the_claim_its_cut_off_add_left() {
     let store = MemoryStore::new();
     let ipam = json!({"type": "whereabouts", "range": "10.0.0.0/24"});
-    let spec = |c: &str, p: &str| whereabouts::crd::OverlappingRangeIPReservationSpec {
-        containerid: c.into(),
-        podref: format!("ns/{p}"),
-        ifname: "net1".into(),
-        ..Default::default()
-    };
     for (name, c, p) in [
         ("10.0.0.7", "c0", "p0"),
         ("10.0.0.8", "c1", "p1"),
@@ -1304,7 +1277,7 @@ async fn a_del_withdraws_the_claim_its_cut_off_add_left() {
     ] {
         let ip: std::net::IpAddr = name.parse().unwrap();
         store
-            .create_reservation(name, &spec(c, p), "10.0.0.0-24", ip)
+            .create_reservation(name, &claim_spec(c, p), "10.0.0.0-24", ip)
             .await
             .unwrap();
     }

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 use whereabouts::alloc::Allocate;
 use whereabouts::cni::protocol::{CniError, Command};
 use whereabouts::cni::{FlatSource, Invocation, Request};
+use whereabouts::crd::OverlappingRangeIPReservationSpec;
 use whereabouts::store::Datastore;
 use whereabouts::store::memory::MemoryStore;
 
@@ -78,6 +79,17 @@ pub async fn run(
     pod: &str,
 ) -> Result<Option<Value>, CniError> {
     handle(store, &request(command, ipam.clone(), container, pod)?).await
+}
+
+/// The reservation spec a claim of pod `ns/<pod>`'s net1 under `container` carries (as the
+/// plugin makes it, less the pod UID and node).
+pub fn claim_spec(container: &str, pod: &str) -> OverlappingRangeIPReservationSpec {
+    OverlappingRangeIPReservationSpec {
+        containerid: container.into(),
+        podref: format!("ns/{pod}"),
+        ifname: "net1".into(),
+        ..Default::default()
+    }
 }
 
 pub fn addresses(result: &Value) -> Vec<String> {
